@@ -1,0 +1,95 @@
+"""KV cache ownership: commit the accepted path, roll back everything else.
+
+Invariant (tested): after any sequence of steps, entry j of every layer holds the keys/values of
+``tokens[j]`` at position j, equal (within float tolerance) to what a fresh prefill of ``tokens``
+would compute. The engine keeps the *target* cache at "all committed tokens but the last", because
+the last committed token is the root of the next draft tree and is fed with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import DynamicCache, PretrainedConfig
+from transformers.cache_utils import DynamicLayer
+
+from specdec.errors import UnsupportedModelError
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix.
+
+    >>> common_prefix_len([1, 2, 3], [1, 2, 4, 5])
+    2
+    """
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class KVCache:
+    """A Hugging Face ``DynamicCache`` plus the token ids it holds."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        self._config = config
+        self.hf = DynamicCache(config=config)
+        self.tokens: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def reset(self) -> None:
+        self.hf = DynamicCache(config=self._config)
+        self.tokens = []
+
+    def check_rollback_supported(self) -> None:
+        """Only plain full-attention layers can be cropped and compacted exactly."""
+        for layer in self.hf.layers:
+            if type(layer) is not DynamicLayer:
+                raise UnsupportedModelError(
+                    f"this model's cache uses {type(layer).__name__} layers (sliding window, "
+                    "linear attention or state-space), which cannot be rolled back exactly; "
+                    "speculative decoding needs a full-attention decoder"
+                )
+
+    def appended(self, tokens: Sequence[int]) -> None:
+        """Record that the model has just written entries for ``tokens`` after the current end."""
+        self.tokens.extend(int(t) for t in tokens)
+        if self.hf.get_seq_length() != len(self.tokens):
+            raise UnsupportedModelError(
+                "the model did not append one KV entry per input token "
+                f"(cache {self.hf.get_seq_length()}, tokens {len(self.tokens)})"
+            )
+
+    def rollback(self, length: int) -> None:
+        """Drop every entry from ``length`` on."""
+        drop = len(self.tokens) - length
+        if drop < 0:
+            raise ValueError(f"cannot roll back to {length}: cache holds {len(self.tokens)}")
+        if drop:
+            self.hf.crop(-drop)
+            del self.tokens[length:]
+
+    def commit(self, start: int, keep: Sequence[int]) -> None:
+        """Keep, of the entries written from ``start`` on, those at offsets ``keep`` (ascending).
+
+        A chain's accepted path ``0..m`` is a crop; a tree's path is compacted into contiguous
+        slots so that the invariant holds again.
+
+        >>> # entries [P, P+1, P+2, P+3] for nodes 0..3, path (0, 2, 3) keeps P, P+2, P+3
+        """
+        keep = list(keep)
+        if keep == list(range(len(keep))):
+            self.rollback(start + len(keep))
+            return
+        idx = torch.tensor(keep, dtype=torch.long) + start
+        for layer in self.hf.layers:
+            assert isinstance(layer, DynamicLayer)
+            layer.keys = torch.cat([layer.keys[..., :start, :], layer.keys[..., idx, :]], dim=-2)
+            layer.values = torch.cat(
+                [layer.values[..., :start, :], layer.values[..., idx, :]], dim=-2
+            )
+        self.tokens = self.tokens[:start] + [self.tokens[start + k] for k in keep]

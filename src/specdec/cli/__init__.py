@@ -1,0 +1,1 @@
+"""The ``specdec`` command line (a leaf: nothing in the core imports it)."""

@@ -1,0 +1,101 @@
+"""Pieces shared by the CLI commands: model options, error reporting, engine construction."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+
+from specdec.errors import SpecDecError
+
+err_console = Console(stderr=True)
+
+ModelOpt = Annotated[
+    Path | None,
+    typer.Option("--model", help="Local Hugging Face model directory (default: bundled model)."),
+]
+GgufOpt = Annotated[Path | None, typer.Option("--gguf", help="GGUF file to load as the target.")]
+MethodOpt = Annotated[
+    str, typer.Option("--method", "-m", help="Speculator: none | draft | prompt-lookup.")
+]
+DraftOpt = Annotated[
+    str | None,
+    typer.Option("--draft", help="Draft for --method draft: a model directory or layers:N."),
+]
+KOpt = Annotated[int, typer.Option("--num-draft-tokens", "-k", help="Tokens drafted per step.")]
+DtypeOpt = Annotated[
+    str,
+    typer.Option(
+        "--dtype",
+        help="float32 (default, oneDNN fast path) | float32-stock | fp16-weights | bfloat16 "
+        "| float64.",
+    ),
+]
+
+T = TypeVar("T")
+
+
+@contextmanager
+def user_errors() -> Iterator[None]:
+    """Turn specdec's typed errors into one line on stderr and exit code 2, no traceback."""
+    try:
+        yield
+    except SpecDecError as e:
+        err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+    except KeyboardInterrupt:
+        err_console.print("interrupted")
+        raise typer.Exit(130) from None
+
+
+def load_engine(
+    model: Path | None,
+    gguf: Path | None,
+    method: str,
+    draft: str | None,
+    num_draft_tokens: int,
+    dtype: str,
+) -> Any:
+    """Build the engine, telling the user about the one-time GGUF conversion."""
+    from specdec.engine import SpeculativeEngine
+    from specdec.target import loading
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    converting = False
+    if model is None:
+        gguf_path = gguf if gguf is not None else loading.default_gguf_path()
+        if gguf_path.is_file() and not loading.is_converted(gguf_path):
+            converting = True
+            err_console.print(
+                f"Converting {gguf_path.name} to safetensors once (about 30 s); cached under "
+                f"{loading.cache_root()}"
+            )
+    # transformers' own bar shows the one-time conversion; the per-load bar is noise
+    if converting:
+        hf_logging.enable_progress_bar()
+    else:
+        hf_logging.disable_progress_bar()
+    return SpeculativeEngine.from_pretrained(
+        model,
+        gguf=gguf,
+        method=method,
+        draft=draft,
+        num_draft_tokens=num_draft_tokens,
+        dtype=dtype,
+    )
+
+
+def run_guarded(fn: Callable[[], T]) -> T:
+    with user_errors():
+        return fn()
+
+
+def is_tty() -> bool:
+    return sys.stdout.isatty()

@@ -1,0 +1,130 @@
+"""``specdec generate``: one request, optionally compared with plain decoding."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from specdec.cli.common import (
+    DraftOpt,
+    DtypeOpt,
+    GgufOpt,
+    KOpt,
+    MethodOpt,
+    ModelOpt,
+    err_console,
+    load_engine,
+    user_errors,
+)
+
+
+def _summary(title: str, stats: dict[str, Any]) -> str:
+    acc = ", ".join(f"{a:.2f}" for a in stats["acceptance_by_position"]) or "-"
+    return (
+        f"{title}: {stats['new_tokens']} tokens in {stats['seconds']:.2f} s = "
+        f"{stats['tokens_per_s']:.2f} tok/s | τ (mean accepted) {stats['mean_accepted']:.2f} | "
+        f"target forwards {stats['target_forwards']} | acceptance by position [{acc}] | "
+        f"draft {stats['draft_seconds']:.2f} s, verify {stats['verify_seconds']:.2f} s"
+    )
+
+
+def generate(
+    prompt: Annotated[str, typer.Argument(help="The prompt text.")],
+    model: ModelOpt = None,
+    gguf: GgufOpt = None,
+    method: MethodOpt = "prompt-lookup",
+    draft: DraftOpt = None,
+    num_draft_tokens: KOpt = 5,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n")] = 128,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
+    top_k: Annotated[int, typer.Option("--top-k", help="0 = off.")] = 0,
+    seed: Annotated[int | None, typer.Option(help="Seed for reproducible sampling.")] = None,
+    stop: Annotated[list[str] | None, typer.Option("--stop", help="Stop string (repeatable).")]
+    = None,
+    chat: Annotated[
+        bool | None,
+        typer.Option(
+            "--chat/--no-chat",
+            help="Apply the model's chat template (default: when the model has one).",
+            show_default=False,
+        ),
+    ] = None,
+    dtype: DtypeOpt = "float32",
+    compare: Annotated[
+        bool, typer.Option("--compare", help="Also decode without speculation and compare.")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Generate text with speculative decoding."""
+    with user_errors():
+        engine = load_engine(model, gguf, method, draft, num_draft_tokens, dtype)
+        use_chat = chat if chat is not None else bool(getattr(engine.tokenizer, "chat_template", None))
+        kwargs: dict[str, Any] = dict(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop=tuple(stop or ()),
+            chat=use_chat,
+        )
+        # Validate and encode before anything is timed, so errors come first and fast.
+        engine.encode(prompt, use_chat)
+        baseline = None
+        if compare:
+            # Warm-up, so that first-call allocation costs hit neither measured run.
+            engine.generate(prompt, **{**kwargs, "max_new_tokens": 2}, speculate=False)
+            baseline = engine.generate(prompt, **kwargs, speculate=False)
+        if as_json:
+            result = engine.generate(prompt, **kwargs)
+        else:
+            result = _stream_to_stdout(engine, prompt, kwargs, show_text=True)
+    out: dict[str, Any] = result.to_dict()
+    if baseline is not None:
+        out["baseline"] = baseline.stats.to_dict()
+        out["speedup"] = (
+            round(baseline.stats.seconds / result.stats.seconds, 4) if result.stats.seconds else None
+        )
+        out["identical"] = result.token_ids == baseline.token_ids if temperature == 0 else None
+    out["numerics"] = engine.loaded.numerics if engine.loaded else None
+    if as_json:
+        sys.stdout.write(json.dumps(out) + "\n")
+        return
+    console = Console()
+    console.print()
+    console.print(_summary(f"{result.method}", out["stats"]), highlight=False)
+    if baseline is not None:
+        console.print(_summary("plain decoding", out["baseline"]), highlight=False)
+        table = Table(show_header=False, box=None)
+        table.add_row("speedup", f"{out['speedup']:.2f}x")
+        if out["identical"] is not None:
+            table.add_row("identical to plain greedy", "yes" if out["identical"] else "NO")
+        console.print(table)
+
+
+def _stream_to_stdout(engine: Any, prompt: str, kwargs: dict[str, Any], show_text: bool) -> Any:
+    from specdec.events import GenerationResult
+
+    token_ids: list[int] = []
+    parts: list[str] = []
+    finish, stats = "length", None
+    for event in engine.stream(prompt, **kwargs):
+        token_ids.extend(event.token_ids)
+        parts.append(event.text)
+        if show_text and event.text:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+        stats = event.stats
+        finish = event.finish_reason or finish
+    if show_text:
+        sys.stdout.write("\n")
+    if stats is None:
+        err_console.print("no tokens generated")
+        raise typer.Exit(1)
+    return GenerationResult("".join(parts), token_ids, finish, engine.method, stats)

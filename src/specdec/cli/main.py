@@ -1,0 +1,29 @@
+"""Entry point: ``specdec generate | serve | bench ...``."""
+
+from __future__ import annotations
+
+import typer
+
+from specdec.cli.generate import generate
+
+app = typer.Typer(
+    name="specdec",
+    help="Lossless speculative decoding for Hugging Face causal language models.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.command()(generate)
+
+
+@app.callback()
+def _root() -> None:
+    """Lossless speculative decoding for Hugging Face causal language models."""
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

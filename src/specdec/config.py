@@ -1,0 +1,93 @@
+"""Frozen, validated configuration objects.
+
+Each component receives only its own config. Validation happens in ``__post_init__`` so that a bad
+value fails when the request is built, before any model work, with an error naming the parameter.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from specdec.errors import ConfigError, InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How tokens are chosen from the target distribution p.
+
+    ``temperature == 0`` means greedy decoding (argmax of the raw logits); top-k/top-p are then
+    irrelevant. For ``temperature > 0`` the same temperature, top-k and top-p shape both p (target)
+    and q (draft), which is what makes speculative sampling reproduce p exactly.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature):
+            raise InvalidRequestError("temperature must be a number", param="temperature")
+        if self.temperature < 0:
+            raise InvalidRequestError(
+                f"temperature must be >= 0 (0 = greedy), got {self.temperature}", param="temperature"
+            )
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidRequestError(
+                f"top_p must be in (0, 1], got {self.top_p}", param="top_p"
+            )
+        if self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be >= 0 (0 = off), got {self.top_k}", param="top_k")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Per-request limits and stop conditions."""
+
+    max_new_tokens: int = 128
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
+            raise InvalidRequestError("max_new_tokens must be an integer", param="max_new_tokens")
+        if self.max_new_tokens < 1:
+            raise InvalidRequestError(
+                f"max_new_tokens must be >= 1, got {self.max_new_tokens}", param="max_new_tokens"
+            )
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            raise InvalidRequestError("stop strings must be non-empty strings", param="stop")
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    """Which speculator drafts and how much.
+
+    ``num_draft_tokens`` (K) is the most tokens drafted per step; a speculator may draft fewer
+    (prompt lookup drafts nothing when it finds no match, which costs a plain decoding step).
+    """
+
+    method: str = "none"
+    num_draft_tokens: int = 5
+    draft: str | None = None
+    prompt_lookup_max_ngram: int = 3
+    prompt_lookup_min_ngram: int = 1
+
+    def __post_init__(self) -> None:
+        if self.num_draft_tokens < 1:
+            raise ConfigError(
+                f"num_draft_tokens (K) must be >= 1, got {self.num_draft_tokens}"
+            )
+        if not (1 <= self.prompt_lookup_min_ngram <= self.prompt_lookup_max_ngram):
+            raise ConfigError(
+                "prompt lookup n-gram sizes must satisfy 1 <= min <= max, got "
+                f"min={self.prompt_lookup_min_ngram} max={self.prompt_lookup_max_ngram}"
+            )

@@ -1,0 +1,251 @@
+"""The decoding loop. ``stream`` is the only loop; generate(), the CLI, server and bench use it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from os import PathLike
+from typing import Any
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from specdec.config import GenerationConfig, SamplingConfig, SpeculationConfig
+from specdec.control import FixedBudget
+from specdec.events import GenerationResult, TokenEvent
+from specdec.metrics import RequestStats
+from specdec.request import Prompt, check_fits, encode_prompt
+from specdec.speculators import (
+    DraftContext,
+    Feedback,
+    NoSpeculator,
+    Speculator,
+    build_speculator,
+)
+from specdec.target import HFTarget, LoadedModel, Target, load_model
+from specdec.text import IncrementalDetokenizer, StopMatcher
+from specdec.tree import DraftTree
+from specdec.verify import Acceptance, AcceptanceRule, make_generator, rule_for
+
+
+@dataclass
+class _Request:
+    """Mutable state of one request inside :meth:`SpeculativeEngine.stream`."""
+
+    tokens: list[int]  # prompt + committed output; the last one is the next tree's root
+    prompt_len: int
+    config: GenerationConfig
+    speculator: Speculator
+    rule: AcceptanceRule
+    generator: torch.Generator
+    stats: RequestStats = field(default_factory=RequestStats)
+
+    @property
+    def remaining(self) -> int:
+        return self.config.max_new_tokens - (len(self.tokens) - self.prompt_len)
+
+
+def _eos_ids(tokenizer: PreTrainedTokenizerBase, loaded: LoadedModel | None) -> frozenset[int]:
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen_eos = getattr(getattr(loaded, "model", None), "generation_config", None)
+    eos = getattr(gen_eos, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif isinstance(eos, (list, tuple)):
+        ids.update(int(e) for e in eos)
+    return frozenset(ids)
+
+
+class SpeculativeEngine:
+    """Lossless speculative decoding over one target model.
+
+    Every step drafts a tree, verifies it in one target forward pass, keeps the accepted path
+    and adds one target-chosen token, so greedy output equals plain greedy decoding and sampled
+    output follows exactly the target's (temperature/top-k/top-p shaped) distribution.
+    """
+
+    def __init__(
+        self,
+        target: Target,
+        tokenizer: PreTrainedTokenizerBase,
+        speculator: Speculator | None = None,
+        *,
+        num_draft_tokens: int = 5,
+        eos_token_ids: Sequence[int] | None = None,
+        loaded: LoadedModel | None = None,
+    ) -> None:
+        self.target = target
+        self.tokenizer = tokenizer
+        self.speculator: Speculator = speculator or NoSpeculator()
+        SpeculationConfig(num_draft_tokens=num_draft_tokens)  # validates K >= 1
+        self.controller = FixedBudget(num_draft_tokens)
+        self.loaded = loaded
+        self.eos_token_ids = (
+            frozenset(eos_token_ids) if eos_token_ids is not None else _eos_ids(tokenizer, loaded)
+        )
+        self._plain = NoSpeculator()
+
+    # -- construction ---------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: str | PathLike[str] | LoadedModel | None = None,
+        *,
+        gguf: str | PathLike[str] | None = None,
+        method: str = "none",
+        draft: str | None = None,
+        num_draft_tokens: int = 5,
+        dtype: str = "float32",
+        prompt_lookup_max_ngram: int = 3,
+        prompt_lookup_min_ngram: int = 1,
+    ) -> SpeculativeEngine:
+        """Load a target (a local HF directory, a GGUF file, or the bundled default model when
+        both are ``None``) and build the speculator registered under ``method``."""
+        spec = SpeculationConfig(
+            method=method,
+            num_draft_tokens=num_draft_tokens,
+            draft=draft,
+            prompt_lookup_max_ngram=prompt_lookup_max_ngram,
+            prompt_lookup_min_ngram=prompt_lookup_min_ngram,
+        )
+        loaded = model if isinstance(model, LoadedModel) else load_model(
+            model, gguf=gguf, dtype=dtype
+        )
+        speculator = build_speculator(loaded, spec)
+        return cls(
+            HFTarget(loaded),
+            loaded.tokenizer,
+            speculator,
+            num_draft_tokens=spec.num_draft_tokens,
+            loaded=loaded,
+        )
+
+    @property
+    def method(self) -> str:
+        return self.speculator.name
+
+    @property
+    def context_length(self) -> int:
+        return self.target.context_length
+
+    def encode(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
+        return encode_prompt(self.tokenizer, prompt, chat)
+
+    # -- the loop -------------------------------------------------------------------------------
+    def stream(
+        self,
+        prompt: Prompt,
+        *,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: Sequence[str] | str = (),
+        chat: bool | None = None,
+        ignore_eos: bool = False,
+        speculate: bool = True,
+    ) -> Iterator[TokenEvent]:
+        """Yield one :class:`TokenEvent` per verification step, text as incremental deltas.
+
+        ``speculate=False`` decodes plainly on the same target (the reference for speedups).
+        Arguments are validated before the first token, so a bad request fails fast.
+        """
+        config = GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            stop=tuple([stop] if isinstance(stop, str) else stop),
+            ignore_eos=ignore_eos,
+            sampling=SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed),
+        )
+        prompt_ids = self.encode(prompt, chat)
+        return self.stream_ids(prompt_ids, config, speculate=speculate)
+
+    def stream_ids(
+        self, prompt_ids: Sequence[int], config: GenerationConfig, *, speculate: bool = True
+    ) -> Iterator[TokenEvent]:
+        check_fits(len(prompt_ids), config.max_new_tokens, self.context_length)
+        return self._run(list(prompt_ids), config, speculate)
+
+    def _run(
+        self, prompt_ids: list[int], config: GenerationConfig, speculate: bool
+    ) -> Iterator[TokenEvent]:
+        started = time.perf_counter()
+        req = _Request(
+            tokens=prompt_ids,
+            prompt_len=len(prompt_ids),
+            config=config,
+            speculator=self.speculator if speculate else self._plain,
+            rule=rule_for(config.sampling),
+            generator=make_generator(config.sampling.seed),
+        )
+        req.stats.prompt_tokens = len(prompt_ids)
+        req.speculator.reset()
+        self.target.begin(prompt_ids)
+        req.stats.prefill_seconds = time.perf_counter() - started
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
+        stopper = StopMatcher(config.stop)
+        while True:
+            acceptance = self.step(req)
+            emitted: list[int] = []
+            text, finish, stop_hit = "", None, False
+            for token in acceptance.tokens:
+                if token in self.eos_token_ids and not config.ignore_eos:
+                    finish = "stop"
+                    break
+                emitted.append(token)
+                req.tokens.append(token)
+                delta, stop_hit = stopper.feed(detok.push(token))
+                text += delta
+                if stop_hit:
+                    finish = "stop"
+                    break
+                if req.remaining <= 0:
+                    finish = "length"
+                    break
+            if finish is not None and not stop_hit:
+                text += stopper.flush()  # release text held back for a possible stop string
+            req.stats.new_tokens = len(req.tokens) - req.prompt_len
+            req.stats.seconds = time.perf_counter() - started
+            yield TokenEvent(tuple(emitted), text, finish, req.stats)
+            if finish is not None:
+                return
+
+    def step(self, req: _Request) -> Acceptance:
+        """One speculative step: draft, verify in one pass, accept, commit, observe."""
+        root = req.tokens[-1]
+        budget = self.controller.choose(req.remaining, self.context_length - len(req.tokens))
+        t0 = time.perf_counter()
+        if budget > 0:
+            context = DraftContext(req.tokens, req.prompt_len, req.config.sampling, req.generator)
+            tree = req.speculator.propose(context, budget)
+        else:
+            tree = DraftTree.root_only(root)
+        t1 = time.perf_counter()
+        logits = self.target.verify(tree)  # [N, V]
+        acceptance = req.rule.accept(tree, logits, req.config.sampling, req.generator)
+        self.target.commit(acceptance.path)
+        t2 = time.perf_counter()
+        req.speculator.observe(Feedback(tree, acceptance))
+        req.stats.draft_seconds += t1 - t0
+        req.stats.verify_seconds += t2 - t1
+        req.stats.record_step(max(tree.depths), acceptance.num_accepted)
+        return acceptance
+
+    def generate(self, prompt: Prompt, **kwargs: Any) -> GenerationResult:
+        """Run :meth:`stream` to the end; same keyword arguments."""
+        speculate = kwargs.get("speculate", True)
+        token_ids: list[int] = []
+        parts: list[str] = []
+        finish = "length"
+        stats = RequestStats()
+        for event in self.stream(prompt, **kwargs):
+            token_ids.extend(event.token_ids)
+            parts.append(event.text)
+            stats = event.stats
+            if event.finish_reason:
+                finish = event.finish_reason
+        method = self.method if speculate else "none"
+        return GenerationResult("".join(parts), token_ids, finish, method, stats)

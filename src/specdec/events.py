@@ -1,0 +1,40 @@
+"""What the decoding loop yields and what generate() returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from specdec.metrics import RequestStats
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """Tokens committed by one step, with the text they add (``text`` is a delta).
+
+    ``finish_reason`` is set on the last event: ``"stop"`` (EOS or a stop string) or
+    ``"length"`` (``max_new_tokens``). ``stats`` is the live statistics object of the request.
+    """
+
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str | None
+    stats: RequestStats
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    method: str
+    stats: RequestStats = field(default_factory=RequestStats)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "method": self.method,
+            "stats": self.stats.to_dict(),
+        }

@@ -1,0 +1,29 @@
+"""Speculators: each proposes a DraftTree; a registry maps method names to factories."""
+
+from specdec.speculators import draft_model, none, prompt_lookup
+from specdec.speculators.base import (
+    DraftContext,
+    Feedback,
+    Speculator,
+    available,
+    build_speculator,
+    register,
+)
+from specdec.speculators.draft_model import DraftModelSpeculator
+from specdec.speculators.none import NoSpeculator
+from specdec.speculators.prompt_lookup import PromptLookupSpeculator
+
+__all__ = [
+    "DraftContext",
+    "DraftModelSpeculator",
+    "Feedback",
+    "NoSpeculator",
+    "PromptLookupSpeculator",
+    "Speculator",
+    "available",
+    "build_speculator",
+    "draft_model",
+    "none",
+    "prompt_lookup",
+    "register",
+]

@@ -1,0 +1,100 @@
+"""A smaller causal LM drafts K tokens autoregressively over its own KV cache.
+
+Greedy requests draft the draft model's argmax (deterministic, q = one-hot); sampled requests
+sample each draft token from q (shaped by the request's temperature/top-k/top-p like p) and carry
+q to the rejection-sampling rule. The draft cache is synchronised with the committed tokens by
+longest common prefix, so rejected drafts are rolled back without any bookkeeping in the engine.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from specdec.cache import common_prefix_len
+from specdec.config import SpeculationConfig
+from specdec.errors import ConfigError, VocabularyMismatchError
+from specdec.speculators.base import DraftContext, Feedback, register
+from specdec.target import LoadedModel, ModelRunner, early_exit_model, load_model
+from specdec.tree import DraftTree
+from specdec.verify import probs_from_logits, sample
+
+
+class DraftModelSpeculator:
+    name: ClassVar[str] = "draft"
+    produces_q: ClassVar[bool] = True
+    needs_hidden_states: ClassVar[bool] = False
+
+    def __init__(self, runner: ModelRunner, description: str = "draft model") -> None:
+        self.runner = runner
+        self.description = description
+
+    def reset(self) -> None:
+        self.runner.reset()
+
+    def propose(self, context: DraftContext, budget: int) -> DraftTree:
+        tokens = context.tokens
+        if budget < 1:
+            return DraftTree.root_only(tokens[-1])
+        cache = self.runner.cache
+        # Reuse the cached prefix; at least the last committed token is fed to get its logits.
+        keep = min(common_prefix_len(cache.tokens, tokens), len(tokens) - 1)
+        cache.rollback(keep)
+        logits = self.runner.forward(tokens[keep:], logits_to_keep=1)[-1]  # [V]
+        greedy = context.sampling.greedy
+        drafts: list[int] = []
+        q_rows: list[torch.Tensor] = []
+        for i in range(budget):
+            if greedy:
+                token = int(logits.argmax())
+            else:
+                q = probs_from_logits(logits[None], context.sampling)[0]  # [V]
+                token = sample(q, context.generator)
+                q_rows.append(q)
+            drafts.append(token)
+            if i + 1 < budget:
+                logits = self.runner.forward([token])[-1]
+        draft_probs = None
+        if q_rows:
+            draft_probs = torch.stack([torch.zeros_like(q_rows[0]), *q_rows])  # [N, V]
+        return DraftTree.chain(tokens[-1], drafts, draft_probs)
+
+    def observe(self, feedback: Feedback) -> None:
+        pass
+
+
+def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
+    """A draft whose token ids mean other strings would be verified against the wrong text."""
+    t_vocab, d_vocab = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    if t_vocab != d_vocab:
+        diff = len(set(t_vocab.items()) ^ set(d_vocab.items()))
+        raise VocabularyMismatchError(
+            f"the draft's tokenizer ({draft.source}, {len(d_vocab)} tokens) differs from the "
+            f"target's ({target.source}, {len(t_vocab)} tokens) in {diff} entries; a draft must "
+            "use the target's vocabulary"
+        )
+    t_size = target.model.config.vocab_size
+    d_size = draft.model.config.vocab_size
+    if t_size != d_size:
+        raise VocabularyMismatchError(
+            f"the draft's output layer has {d_size} logits, the target's {t_size}"
+        )
+
+
+@register("draft")
+def _build(target: LoadedModel, config: SpeculationConfig) -> DraftModelSpeculator:
+    spec = config.draft
+    if not spec:
+        raise ConfigError("method 'draft' needs a draft: a model directory or layers:N")
+    if spec.startswith("layers:"):
+        try:
+            n = int(spec.split(":", 1)[1])
+        except ValueError:
+            raise ConfigError(f"bad draft {spec!r}: expected layers:N with N an integer") from None
+        model = early_exit_model(target.model, n)
+        return DraftModelSpeculator(ModelRunner(model), f"first {n} layers of the target")
+    draft = load_model(spec, dtype=target.dtype_name)
+    check_same_vocabulary(target, draft)
+    runner = ModelRunner(draft.model)
+    return DraftModelSpeculator(runner, f"draft model {draft.source}")

@@ -1,0 +1,55 @@
+"""The engine's view of the target: begin a request, verify a tree, commit the accepted path."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from specdec.target.loading import LoadedModel
+from specdec.target.runner import ModelRunner
+from specdec.tree import DraftTree
+
+
+class Target(Protocol):
+    """What the engine needs from a target; the tests drive the engine with table-driven fakes."""
+
+    @property
+    def context_length(self) -> int: ...
+
+    def begin(self, prompt: Sequence[int]) -> None: ...
+
+    def verify(self, tree: DraftTree) -> torch.Tensor: ...
+
+    def commit(self, path: Sequence[int]) -> None: ...
+
+
+class HFTarget:
+    """A Hugging Face causal LM as target.
+
+    Cache invariant: between steps the KV cache holds every committed token but the last, which
+    is the root of the next tree and is fed with its drafts.
+    """
+
+    def __init__(self, loaded: LoadedModel) -> None:
+        self.loaded = loaded
+        self.runner = ModelRunner(loaded.model)
+        self.runner.probe()
+        self._start = 0
+
+    @property
+    def context_length(self) -> int:
+        return self.runner.context_length
+
+    def begin(self, prompt: Sequence[int]) -> None:
+        self.runner.reset()
+        if len(prompt) > 1:
+            self.runner.forward(prompt[:-1], logits_to_keep=1)
+
+    def verify(self, tree: DraftTree) -> torch.Tensor:
+        self._start = len(self.runner.cache)
+        return self.runner.forward_tree(tree)  # [N, V]
+
+    def commit(self, path: Sequence[int]) -> None:
+        self.runner.cache.commit(self._start, path)

