@@ -1,0 +1,127 @@
+"""Shared fixtures: real tiny models on disk, and the real bundled model.
+
+Tiny models are genuine Hugging Face model directories (config.json + safetensors + a BPE
+tokenizer trained here on Tiny Shakespeare), with random weights, so the whole loading and
+decoding path runs exactly as for a user's model, in milliseconds per token.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+CORPUS = SHARED / "data" / "corpus" / "tinyshakespeare.txt"
+
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def _corpus_lines() -> list[str]:
+    if CORPUS.is_file():
+        return CORPUS.read_text(encoding="utf-8").splitlines()
+    # Fallback so the suite still runs outside the team checkout: any English text will do.
+    text = (Path(torch.__file__).parent / "__init__.py").read_text(encoding="utf-8")
+    return text.splitlines()
+
+
+def build_tokenizer(vocab_size: int, out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<eos>", "<|user|>", "<|assistant|>", "<|system|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus_lines(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>")
+    fast.chat_template = TINY_CHAT_TEMPLATE
+    fast.save_pretrained(out)
+
+
+def build_tiny_model(
+    out: Path,
+    tokenizer_dir: Path,
+    *,
+    seed: int,
+    layers: int = 4,
+    hidden: int = 64,
+    init_range: float = 0.25,
+    context: int = 512,
+) -> Path:
+    """A random-weight Llama with peaked distributions (large init) so argmax ties are rare."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=context,
+        tie_word_embeddings=True,
+        initializer_range=init_range,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=None,
+        pad_token_id=tok.eos_token_id,
+    )
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tiny_tokenizer")
+    build_tokenizer(384, out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_target"), tiny_tokenizer_dir, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path) -> Path:
+    """A second, smaller model with the target's vocabulary (different random weights)."""
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny_draft"), tiny_tokenizer_dir, seed=1, layers=1
+    )
+
+
+@pytest.fixture(scope="session")
+def other_vocab_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tok_dir = tmp_path_factory.mktemp("other_tokenizer")
+    build_tokenizer(320, tok_dir)
+    return build_tiny_model(tmp_path_factory.mktemp("other_vocab"), tok_dir, seed=2, layers=1)
+
+
+@pytest.fixture(scope="session")
+def smol_dir() -> Path:
+    """The bundled SmolLM2-135M-Instruct, converted once into the user cache (slow tests)."""
+    from specdec.errors import ModelNotFoundError
+    from specdec.target.loading import convert_gguf, default_gguf_path
+
+    try:
+        gguf = default_gguf_path()
+    except ModelNotFoundError as e:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(str(e))
+    return convert_gguf(gguf)
