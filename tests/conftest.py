@@ -85,6 +85,19 @@ def build_tiny_model(
     return out
 
 
+@pytest.fixture(autouse=True)
+def _threads_for_size(request: pytest.FixtureRequest):
+    """Tiny models and tables: one thread, since waking a second OpenMP thread costs more than
+    their maths (and far more on a loaded machine). Tests of the real model keep all threads."""
+    if request.node.get_closest_marker("slow"):
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tiny_tokenizer")

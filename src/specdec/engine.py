@@ -76,8 +76,12 @@ class SpeculativeEngine:
         num_draft_tokens: int = 5,
         eos_token_ids: Sequence[int] | None = None,
         loaded: LoadedModel | None = None,
+        acceptance_rule: AcceptanceRule | None = None,
     ) -> None:
+        """``acceptance_rule`` overrides the lossless default (greedy match / rejection
+        sampling, chosen per request); only opt-in lossy rules or tests pass one."""
         self.target = target
+        self.acceptance_rule = acceptance_rule
         self.tokenizer = tokenizer
         self.speculator: Speculator = speculator or NoSpeculator()
         SpeculationConfig(num_draft_tokens=num_draft_tokens)  # validates K >= 1
@@ -178,7 +182,7 @@ class SpeculativeEngine:
             prompt_len=len(prompt_ids),
             config=config,
             speculator=self.speculator if speculate else self._plain,
-            rule=rule_for(config.sampling),
+            rule=self.acceptance_rule or rule_for(config.sampling),
             generator=make_generator(config.sampling.seed),
         )
         req.stats.prompt_tokens = len(prompt_ids)
@@ -206,7 +210,10 @@ class SpeculativeEngine:
                     finish = "length"
                     break
             if finish is not None and not stop_hit:
-                text += stopper.flush()  # release text held back for a possible stop string
+                delta, stop_hit = stopper.feed(detok.flush())
+                text += delta
+                if not stop_hit:
+                    text += stopper.flush()  # release text held back for a possible stop
             req.stats.new_tokens = len(req.tokens) - req.prompt_len
             req.stats.seconds = time.perf_counter() - started
             yield TokenEvent(tuple(emitted), text, finish, req.stats)

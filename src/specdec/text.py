@@ -37,6 +37,13 @@ class IncrementalDetokenizer:
             return full[len(prefix) :]
         return ""
 
+    def flush(self) -> str:
+        """At the end of output: whatever is still held back, even an incomplete character."""
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return full[len(prefix) :]
+
 
 class StopMatcher:
     """Finds stop strings in streamed text and holds back text that may start one.

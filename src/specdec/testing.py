@@ -1,0 +1,103 @@
+"""Trivial fakes of the engine's protocols, for fast tests of the loop and the rules.
+
+A table-driven Markov target (p depends on the last token only) and a Markov speculator (q
+likewise) make exact target distributions computable in closed form, which the statistical
+losslessness tests need. They use a real (word-level) tokenizer, so the engine runs unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+import torch
+from transformers import PreTrainedTokenizerFast
+
+from specdec.speculators.base import DraftContext, Feedback
+from specdec.tree import DraftTree
+from specdec.verify import probs_from_logits, sample
+
+
+def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """Tokens ``t0 .. t{V-1}`` plus ``<eos>`` (id V), whitespace-separated."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    vocab["<eos>"] = vocab_size
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<eos>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+class MarkovTarget:
+    """p(next | context) = softmax(table[last token]).  ``table``: [V, V] logits."""
+
+    def __init__(self, table: torch.Tensor, context_length: int = 4096) -> None:
+        self.table = table
+        self._context_length = context_length
+        self.forwards = 0
+
+    @property
+    def context_length(self) -> int:
+        return self._context_length
+
+    def begin(self, prompt: Sequence[int]) -> None:
+        pass
+
+    def verify(self, tree: DraftTree) -> torch.Tensor:
+        self.forwards += 1
+        return self.table[list(tree.tokens)]  # [N, V]
+
+    def commit(self, path: Sequence[int]) -> None:
+        pass
+
+
+class MarkovSpeculator:
+    """Drafts a chain by sampling q(next | last) = softmax(table[last]) shaped like p."""
+
+    name: ClassVar[str] = "markov"
+    produces_q: ClassVar[bool] = True
+    needs_hidden_states: ClassVar[bool] = False
+
+    def __init__(self, table: torch.Tensor) -> None:
+        self.table = table
+
+    def propose(self, context: DraftContext, budget: int) -> DraftTree:
+        last = context.tokens[-1]
+        drafts, rows = [], []
+        for _ in range(budget):
+            q = probs_from_logits(self.table[last][None], context.sampling)[0]  # [V]
+            last = sample(q, context.generator) if not context.sampling.greedy else int(q.argmax())
+            drafts.append(last)
+            rows.append(q)
+        if not drafts:
+            return DraftTree.root_only(context.tokens[-1])
+        probs = torch.stack([torch.zeros_like(rows[0]), *rows])
+        return DraftTree.chain(context.tokens[-1], drafts, probs)
+
+    def observe(self, feedback: Feedback) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+
+class ScriptedSpeculator:
+    """Proposes fixed continuations: ``script[len(context)]`` is the chain drafted there."""
+
+    name: ClassVar[str] = "scripted"
+    produces_q: ClassVar[bool] = False
+    needs_hidden_states: ClassVar[bool] = False
+
+    def __init__(self, script: dict[int, list[int]]) -> None:
+        self.script = script
+
+    def propose(self, context: DraftContext, budget: int) -> DraftTree:
+        drafts = self.script.get(len(context.tokens), [])[:budget]
+        return DraftTree.chain(context.tokens[-1], drafts)
+
+    def observe(self, feedback: Feedback) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
