@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from specdec.cli.generate import generate
+from specdec.cli.serve import serve
 
 app = typer.Typer(
     name="specdec",
@@ -14,6 +15,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.command()(generate)
+app.command()(serve)
 
 
 @app.callback()

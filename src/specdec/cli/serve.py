@@ -1,0 +1,83 @@
+"""``specdec serve``: the OpenAI-compatible HTTP server (FastAPI + uvicorn)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from specdec.cli.common import (
+    DraftOpt,
+    DtypeOpt,
+    GgufOpt,
+    KOpt,
+    MethodOpt,
+    ModelOpt,
+    err_console,
+    load_engine,
+    user_errors,
+)
+
+
+def _served_name(model: Path | None, gguf: Path | None) -> str:
+    """What clients pass as ``model``: the directory or file name the server was started with."""
+    if model is not None:
+        return model.resolve().name
+    if gguf is not None:
+        return gguf.stem
+    from specdec.target.loading import default_gguf_path
+
+    return default_gguf_path().stem
+
+
+def serve(
+    model: ModelOpt = None,
+    gguf: GgufOpt = None,
+    method: MethodOpt = "prompt-lookup",
+    draft: DraftOpt = None,
+    num_draft_tokens: KOpt = 5,
+    dtype: DtypeOpt = "float32",
+    host: Annotated[str, typer.Option(help="Interface to listen on (loopback by default).")]
+    = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    served_model_name: Annotated[
+        str | None,
+        typer.Option(help="Model id clients send (default: the model's directory/file name)."),
+    ] = None,
+    max_queue: Annotated[
+        int, typer.Option(help="Requests allowed to wait; beyond it the server answers 429.")
+    ] = 64,
+    request_timeout: Annotated[
+        float, typer.Option(help="Seconds a request may spend queued plus decoding.")
+    ] = 300.0,
+    threads: Annotated[
+        int | None,
+        typer.Option(help="Torch CPU threads for the engine (default: torch's choice)."),
+    ] = None,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
+    /v1/models, /health, /metrics)."""
+    import uvicorn
+
+    from specdec.server import ServerConfig, create_app
+
+    with user_errors():
+        if threads is not None:
+            import torch
+
+            torch.set_num_threads(max(1, threads))
+        config = ServerConfig(
+            model_name=served_model_name or _served_name(model, gguf),
+            max_queue=max_queue,
+            request_timeout=request_timeout,
+        )
+        engine = load_engine(model, gguf, method, draft, num_draft_tokens, dtype)
+        app = create_app(engine, config)
+    err_console.print(
+        f"serving {config.model_name!r} (method {engine.method}) on http://{host}:{port}/v1",
+        highlight=False,
+    )
+    # One process, one engine: requests are queued, never spread over worker processes.
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

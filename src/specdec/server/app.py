@@ -1,0 +1,660 @@
+"""The FastAPI application: validation, admission, streaming and metrics around one worker.
+
+A generation request goes through four stages, each with one owner:
+
+1. **prepare** (event loop): check the model name and the fields, encode the prompt with a
+   private copy of the tokenizer and build the engine's :class:`GenerationConfig`; every value
+   error becomes a 400 *before* the request takes a queue slot.
+2. **admit**: put a :class:`Job` on the bounded FIFO queue, or answer 429 + Retry-After.
+3. **run** (worker thread): the engine decodes; messages flow back through the job.
+4. **respond** (event loop): one JSON body, or server-sent events ending with ``data: [DONE]``.
+   Whatever way the response ends (finished, client gone, timeout, error), :meth:`_Run.close`
+   runs exactly once: it withdraws the job from the worker and records the metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import jinja2
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from fastapi.sse import EventSourceResponse, format_sse_event
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from specdec.config import GenerationConfig, SamplingConfig
+from specdec.errors import InvalidRequestError
+from specdec.events import TokenEvent
+from specdec.metrics import RequestStats
+from specdec.request import Prompt, check_fits, encode_prompt
+from specdec.server import errors
+from specdec.server.config import ServerConfig
+from specdec.server.errors import APIError
+from specdec.server.metrics import CONTENT_TYPE, ServerMetrics
+from specdec.server.schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    Delta,
+    ModelCard,
+    ModelList,
+    Speculation,
+    Usage,
+)
+from specdec.server.worker import (
+    Ended,
+    EngineWorker,
+    Job,
+    Message,
+    Outcome,
+    Produced,
+    QueueFullError,
+    ShuttingDownError,
+    Started,
+)
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+# How often a request that is waiting (queued, or decoding without streaming) checks whether
+# its client has gone away; a streaming response learns it from the server at once.
+_DISCONNECT_POLL_S = 0.25
+_CLIENT_CLOSED = 499  # nginx's "client closed request"; nobody reads it, the logs do
+
+
+class Engine(Protocol):
+    """What the server needs of :class:`specdec.SpeculativeEngine`."""
+
+    tokenizer: Any
+
+    @property
+    def method(self) -> str: ...
+
+    @property
+    def context_length(self) -> int: ...
+
+    def stream_ids(self, prompt_ids: Any, config: GenerationConfig) -> Any: ...
+
+
+class _ClientGone(Exception):
+    """The client disconnected while its request was waiting."""
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A validated request, ready to queue."""
+
+    endpoint: str
+    model: str
+    prompt_ids: list[int]
+    config: GenerationConfig
+    stream: bool
+    include_usage: bool
+    timeout: float
+    id: str
+    created: int
+
+
+class _Service:
+    """State shared by the routes: engine facts, private tokenizer, worker, metrics."""
+
+    def __init__(self, engine: Engine, config: ServerConfig) -> None:
+        self.config = config
+        self.method = engine.method
+        self.context_length = engine.context_length
+        # A private copy: the worker thread detokenizes with the engine's tokenizer, and sharing
+        # one tokenizer object across threads is not guaranteed to be safe.
+        self.tokenizer = copy.deepcopy(engine.tokenizer)
+        self.vocab_size = len(self.tokenizer)
+        self.started = int(time.time())
+        self.worker = EngineWorker(engine.stream_ids, max_queue=config.max_queue)
+        self.metrics = ServerMetrics(self.method)
+
+    # -- stage 1: prepare -----------------------------------------------------------------------
+    def prepare(self, body: CompletionRequest | ChatCompletionRequest) -> _Prepared:
+        chat = isinstance(body, ChatCompletionRequest)
+        if body.model != self.config.model_name:
+            raise APIError(
+                404,
+                f"the model {body.model!r} does not exist; this server serves "
+                f"{self.config.model_name!r} (see GET /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
+        if body.n != 1:
+            raise APIError(
+                400, f"only n=1 is supported, got n={body.n}", param="n", code="invalid_value"
+            )
+        bad = body.unsupported_field()
+        if bad is not None:
+            raise APIError(
+                400, f"{bad!r} is not supported by this server", param=bad, code="unsupported"
+            )
+        if isinstance(body, ChatCompletionRequest):
+            newer = body.max_completion_tokens is not None
+            limit_name = "max_completion_tokens" if newer else "max_tokens"
+            requested = body.max_completion_tokens if newer else body.max_tokens
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            prompt_ids = self._encode(messages, chat=True, param="messages")
+            default = self.config.default_max_tokens
+        else:
+            limit_name = "max_tokens"
+            requested = body.max_tokens
+            prompt_ids = self._completion_prompt(body.prompt)
+            default = self.config.default_completion_tokens
+        if requested is None:  # as much as asked by default, as much as fits at most
+            requested = max(1, min(default, self.context_length - len(prompt_ids)))
+        names = {"max_new_tokens": limit_name, "prompt": "messages" if chat else "prompt"}
+        try:
+            config = GenerationConfig(
+                max_new_tokens=requested,
+                stop=body.stop_strings(),
+                ignore_eos=body.ignore_eos,
+                sampling=SamplingConfig(
+                    temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                    seed=body.seed,
+                ),
+            )
+            check_fits(len(prompt_ids), config.max_new_tokens, self.context_length)
+        except InvalidRequestError as e:
+            raise errors.from_engine_error(e, names) from None
+        options = body.stream_options
+        return _Prepared(
+            endpoint=CHAT if chat else COMPLETIONS,
+            model=self.config.model_name,
+            prompt_ids=prompt_ids,
+            config=config,
+            stream=body.stream,
+            include_usage=bool(options and options.include_usage),
+            timeout=min(self.config.request_timeout, body.timeout or self.config.request_timeout),
+            id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            created=int(time.time()),
+        )
+
+    def _completion_prompt(self, prompt: str | list[str] | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self._encode(prompt, chat=False, param="prompt")
+        if prompt and all(isinstance(p, str) for p in prompt):
+            if len(prompt) != 1:
+                raise APIError(
+                    400, "batched prompts are not supported; send one prompt per request",
+                    param="prompt", code="invalid_value",
+                )
+            return self._encode(str(prompt[0]), chat=False, param="prompt")
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
+        if any(not 0 <= t < self.vocab_size for t in ids):
+            raise APIError(
+                400, f"token ids must lie in [0, {self.vocab_size})", param="prompt",
+                code="invalid_value",
+            )
+        return ids
+
+    def _encode(self, prompt: Prompt, *, chat: bool, param: str) -> list[int]:
+        try:
+            return encode_prompt(self.tokenizer, prompt, chat)
+        except InvalidRequestError as e:
+            raise errors.from_engine_error(e, {"prompt": param}) from None
+        except jinja2.TemplateError as e:  # e.g. a template that insists roles alternate
+            raise APIError(
+                400, f"the model's chat template rejected the messages: {e}", param="messages",
+                code="invalid_value",
+            ) from None
+
+    # -- stage 2: admit -------------------------------------------------------------------------
+    def admit(self, prepared: _Prepared) -> _Run:
+        job = Job(
+            prepared.prompt_ids,
+            prepared.config,
+            timeout=prepared.timeout,
+            loop=asyncio.get_running_loop(),
+        )
+        try:
+            self.worker.submit(job)
+        except QueueFullError:
+            self.metrics.request(prepared.endpoint, "rejected")
+            raise errors.queue_full(self.worker.retry_after()) from None
+        except ShuttingDownError:
+            self.metrics.request(prepared.endpoint, "rejected")
+            raise errors.shutting_down() from None
+        self.metrics.queue_depth.set(len(self.worker.queue))
+        return _Run(self, prepared, job)
+
+    # -- stage 4: respond -----------------------------------------------------------------------
+    async def respond(
+        self, prepared: _Prepared, request: Request, render: _Renderer
+    ) -> Response:
+        run = self.admit(prepared)
+        try:
+            await run.wait_started(request)
+        except _ClientGone:
+            run.close("cancelled")
+            return Response(status_code=_CLIENT_CLOSED)
+        except APIError as e:
+            run.close(_outcome_label(e))
+            raise
+        except BaseException:
+            run.close("error")
+            raise
+        if prepared.stream:
+            return _StreamResponse(run.sse(render), on_close=lambda: run.close("cancelled"))
+        try:
+            text, final = await run.collect(request)
+        except _ClientGone:
+            run.close("cancelled")
+            return Response(status_code=_CLIENT_CLOSED)
+        except APIError as e:
+            run.close(_outcome_label(e))
+            raise
+        except BaseException:
+            run.close("error")
+            raise
+        run.close("ok")
+        return JSONResponse(render.whole(prepared, text, final, self.method))
+
+
+class _Renderer(Protocol):
+    """Builds one endpoint's response body and stream chunks."""
+
+    def whole(self, p: _Prepared, text: str, final: _Final, method: str) -> dict[str, Any]: ...
+
+    def opening(self, p: _Prepared) -> BaseModel | None: ...
+
+    def chunk(self, p: _Prepared, text: str) -> BaseModel: ...
+
+    def closing(self, p: _Prepared, final: _Final, method: str) -> BaseModel: ...
+
+    def usage(self, p: _Prepared, final: _Final) -> BaseModel: ...
+
+
+@dataclass(frozen=True)
+class _Final:
+    finish_reason: str
+    stats: RequestStats
+
+
+class _Run:
+    """One admitted request on the asyncio side: reads its job's messages, keeps the timings,
+    and on :meth:`close` withdraws the job and records the request's metrics, exactly once."""
+
+    def __init__(self, service: _Service, prepared: _Prepared, job: Job) -> None:
+        self.service = service
+        self.prepared = prepared
+        self.job = job
+        self._getter: asyncio.Future[Message] | None = None
+        self._next_check = time.monotonic() + _DISCONNECT_POLL_S
+        self._ended = False
+        self._closed = False
+        self._first_at: float | None = None
+        self._last_at: float | None = None
+        self._stats: RequestStats | None = None
+
+    async def _next(self, request: Request | None) -> Message:
+        """The job's next message; with ``request``, give up if the client disconnects."""
+        while True:
+            timeout = None
+            if request is not None:  # on a clock, not on idleness: messages may never pause
+                now = time.monotonic()
+                if now >= self._next_check:
+                    self._next_check = now + _DISCONNECT_POLL_S
+                    if await request.is_disconnected():
+                        raise _ClientGone
+                timeout = max(0.0, self._next_check - now)
+            if self._getter is None:
+                self._getter = asyncio.ensure_future(self.job.messages.get())
+            done, _ = await asyncio.wait({self._getter}, timeout=timeout)
+            if done:
+                message = self._getter.result()
+                self._getter = None
+                if isinstance(message, Ended):
+                    self._ended = True
+                return message
+
+    def _observe(self, produced: Produced) -> TokenEvent:
+        metrics = self.service.metrics
+        self._stats = produced.stats
+        if produced.event.token_ids:
+            if self._first_at is None:
+                self._first_at = produced.at
+                metrics.ttft.observe(produced.at - self.job.submitted)
+            else:
+                assert self._last_at is not None
+                metrics.itl.observe(produced.at - self._last_at)
+            self._last_at = produced.at
+        return produced.event
+
+    def _failure(self, ended: Ended) -> APIError:
+        if ended.outcome is Outcome.TIMEOUT:
+            if self._first_at is None and self._stats is None:
+                return errors.queue_timeout(self.service.worker.retry_after())
+            return errors.decode_timeout()
+        if ended.outcome is Outcome.CANCELLED:
+            return errors.shutting_down()
+        if isinstance(ended.error, InvalidRequestError):
+            return errors.from_engine_error(ended.error, {"max_new_tokens": "max_tokens"})
+        return errors.internal()
+
+    async def wait_started(self, request: Request) -> None:
+        """Wait (queued) until the worker starts the job; raise its error if it never does."""
+        message = await self._next(request)
+        if isinstance(message, Started):
+            self.service.metrics.queue_wait.observe(message.at - self.job.submitted)
+            return
+        assert isinstance(message, Ended), message
+        raise self._failure(message)
+
+    async def collect(self, request: Request) -> tuple[str, _Final]:
+        parts: list[str] = []
+        final: _Final | None = None
+        while True:
+            message = await self._next(request)
+            if isinstance(message, Produced):
+                event = self._observe(message)
+                parts.append(event.text)
+                if event.finish_reason is not None:
+                    final = _Final(event.finish_reason, message.stats)
+            elif isinstance(message, Ended):
+                if message.outcome is Outcome.DONE and final is not None:
+                    return "".join(parts), final
+                raise self._failure(message)
+
+    async def sse(self, render: _Renderer) -> AsyncIterator[bytes]:
+        """Server-sent events: chunks as the engine commits tokens, then ``data: [DONE]``.
+
+        An error after the stream has begun cannot change the status code any more, so it is
+        sent as an ``{"error": ...}`` event (which the openai client raises as ``APIError``).
+        """
+        p = self.prepared
+        opening = render.opening(p)
+        if opening is not None:
+            yield _sse(opening)
+        final: _Final | None = None
+        while True:
+            message = await self._next(None)
+            if isinstance(message, Produced):
+                event = self._observe(message)
+                if event.text:
+                    yield _sse(render.chunk(p, event.text))
+                if event.finish_reason is not None:
+                    final = _Final(event.finish_reason, message.stats)
+                    yield _sse(render.closing(p, final, self.service.method))
+            elif isinstance(message, Ended):
+                if message.outcome is Outcome.DONE and final is not None:
+                    if p.include_usage:
+                        yield _sse(render.usage(p, final))
+                    self.close("ok")
+                else:
+                    failure = self._failure(message)
+                    self.close(_outcome_label(failure))
+                    yield format_sse_event(data_str=json.dumps(failure.body()))
+                yield format_sse_event(data_str="[DONE]")
+                return
+
+    def close(self, outcome: str) -> None:
+        """Withdraw the job (if still queued or decoding) and record metrics; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._getter is not None:
+            self._getter.cancel()
+        if not self._ended:
+            self.service.worker.withdraw(self.job)
+        m = self.service.metrics
+        m.request(self.prepared.endpoint, outcome)
+        m.queue_depth.set(len(self.service.worker.queue))
+        stats = self._stats
+        if stats is None:
+            return
+        m.prompt_tokens.inc(stats.prompt_tokens)
+        m.completion_tokens.inc(stats.new_tokens)
+        m.speculation(stats)
+        if (
+            self._first_at is not None and self._last_at is not None and stats.new_tokens > 1
+        ):
+            m.tpot.observe((self._last_at - self._first_at) / (stats.new_tokens - 1))
+
+
+def _outcome_label(error: APIError) -> str:
+    if error.code == "request_timeout":
+        return "timeout"
+    if error.status < 500:
+        return "invalid"
+    return "error"
+
+
+def _sse(model: BaseModel) -> bytes:
+    return format_sse_event(data_str=model.model_dump_json())
+
+
+class _StreamResponse(EventSourceResponse):
+    """An SSE response that runs ``on_close`` however it ends (also when the server cancels it
+    because the client disconnected), so an abandoned request is withdrawn from the worker."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()  # a no-op when the stream already closed its run
+
+
+# -- renderers ------------------------------------------------------------------------------------
+def _speculation(method: str, final: _Final) -> Speculation:
+    return Speculation.of(method, final.stats)
+
+
+class _CompletionRenderer:
+    def whole(self, p: _Prepared, text: str, final: _Final, method: str) -> dict[str, Any]:
+        return CompletionResponse(
+            id=p.id, created=p.created, model=p.model,
+            choices=[CompletionChoice(text=text, finish_reason=final.finish_reason)],
+            usage=Usage.of(final.stats), speculation=_speculation(method, final),
+        ).model_dump(mode="json")
+
+    def opening(self, p: _Prepared) -> BaseModel | None:
+        return None
+
+    def chunk(self, p: _Prepared, text: str) -> BaseModel:
+        return CompletionResponse(
+            id=p.id, created=p.created, model=p.model,
+            choices=[CompletionChoice(text=text, finish_reason=None)],
+        )
+
+    def closing(self, p: _Prepared, final: _Final, method: str) -> BaseModel:
+        return CompletionResponse(
+            id=p.id, created=p.created, model=p.model,
+            choices=[CompletionChoice(text="", finish_reason=final.finish_reason)],
+            speculation=_speculation(method, final),
+        )
+
+    def usage(self, p: _Prepared, final: _Final) -> BaseModel:
+        return CompletionResponse(
+            id=p.id, created=p.created, model=p.model, choices=[],
+            usage=Usage.of(final.stats),
+        )
+
+
+class _ChatRenderer:
+    def whole(self, p: _Prepared, text: str, final: _Final, method: str) -> dict[str, Any]:
+        return ChatCompletionResponse(
+            id=p.id, created=p.created, model=p.model,
+            choices=[
+                ChatChoice(
+                    message=AssistantMessage(content=text), finish_reason=final.finish_reason
+                )
+            ],
+            usage=Usage.of(final.stats), speculation=_speculation(method, final),
+        ).model_dump(mode="json")
+
+    def opening(self, p: _Prepared) -> BaseModel | None:
+        return self._chunk(p, Delta(role="assistant", content=""))
+
+    def chunk(self, p: _Prepared, text: str) -> BaseModel:
+        return self._chunk(p, Delta(content=text))
+
+    def closing(self, p: _Prepared, final: _Final, method: str) -> BaseModel:
+        return ChatCompletionChunk(
+            id=p.id, created=p.created, model=p.model,
+            choices=[ChatChunkChoice(delta=Delta(), finish_reason=final.finish_reason)],
+            speculation=_speculation(method, final),
+        )
+
+    def usage(self, p: _Prepared, final: _Final) -> BaseModel:
+        return ChatCompletionChunk(
+            id=p.id, created=p.created, model=p.model, choices=[],
+            usage=Usage.of(final.stats),
+        )
+
+    def _chunk(self, p: _Prepared, delta: Delta) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=p.id, created=p.created, model=p.model,
+            choices=[ChatChunkChoice(delta=delta)],
+        )
+
+
+# -- the application ------------------------------------------------------------------------------
+def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
+    """Build the OpenAI-compatible app around ``engine``; the worker thread runs while the app's
+    lifespan does (uvicorn starts and stops it)."""
+    service = _Service(engine, config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        service.worker.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(service.worker.stop)
+
+    app = FastAPI(
+        title="specdec",
+        summary="OpenAI-compatible speculative decoding server",
+        lifespan=lifespan,
+        max_body_size=config.max_body_bytes,
+        strict_content_type=False,
+    )
+    app.state.service = service
+    _install_error_handlers(app, service)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        alive = service.worker.alive
+        body = {
+            "status": "ok" if alive else "unavailable",
+            "model": config.model_name,
+            "method": service.method,
+            "context_length": service.context_length,
+            "queue_depth": len(service.worker.queue),
+            "queue_capacity": config.max_queue,
+            "busy": service.worker.busy,
+            "requests_done": service.worker.jobs_done,
+        }
+        return JSONResponse(body, status_code=200 if alive else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        service.metrics.queue_depth.set(len(service.worker.queue))
+        return Response(service.metrics.render(), media_type=CONTENT_TYPE)
+
+    def card() -> ModelCard:
+        return ModelCard(
+            id=config.model_name, created=service.started,
+            context_length=service.context_length, speculation_method=service.method,
+        )
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[card()])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> ModelCard:
+        if model_id != config.model_name:
+            raise APIError(
+                404, f"the model {model_id!r} does not exist", param="model",
+                code="model_not_found",
+            )
+        return card()
+
+    completion_renderer, chat_renderer = _CompletionRenderer(), _ChatRenderer()
+
+    async def generate(
+        body: CompletionRequest | ChatCompletionRequest, request: Request, render: _Renderer
+    ) -> Response:
+        endpoint = CHAT if isinstance(body, ChatCompletionRequest) else COMPLETIONS
+        try:
+            prepared = service.prepare(body)
+        except APIError:
+            service.metrics.request(endpoint, "invalid")
+            raise
+        return await service.respond(prepared, request, render)
+
+    @app.post(COMPLETIONS)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await generate(body, request, completion_renderer)
+
+    @app.post(CHAT)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await generate(body, request, chat_renderer)
+
+    return app
+
+
+def _install_error_handlers(app: FastAPI, service: _Service) -> None:
+    """Every error leaves as OpenAI-style JSON with a 4xx/5xx status; none stops the server."""
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = list(exc.errors())
+        first = problems[0] if problems else {}
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        kind = str(first.get("type", ""))
+        if kind == "json_invalid":
+            message, code, param = "the request body is not valid JSON", "invalid_json", None
+        elif kind == "missing":
+            param = ".".join(loc) or None
+            message, code = f"missing required parameter {param!r}", "missing_required_parameter"
+        elif not loc:
+            message = "the request body must be a JSON object (Content-Type: application/json)"
+            code, param = "invalid_json", None
+        else:
+            param = ".".join(loc)
+            message = f"invalid value for {param!r}: {first.get('msg', 'invalid')}"
+            code = "invalid_type"
+        if request.url.path in (COMPLETIONS, CHAT):
+            service.metrics.request(request.url.path, "invalid")
+        err = APIError(400, message, param=param, code=code)
+        return JSONResponse(err.body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        err = APIError(exc.status_code, str(exc.detail), type=kind)
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(errors.internal().body(), status_code=500)

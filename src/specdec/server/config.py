@@ -1,0 +1,38 @@
+"""Server settings, separate from the engine's: they govern admission and time, not decoding."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specdec.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How the server admits, bounds and names requests.
+
+    ``max_queue`` bounds the requests *waiting* behind the one being decoded; when it is full a
+    new request is refused at once with 429 and a Retry-After estimate, instead of piling up
+    memory and latency. ``request_timeout`` (seconds) covers queueing plus decoding, so a client
+    never waits forever behind a long request. ``default_max_tokens`` caps a chat request that
+    gives no limit (OpenAI's default would run to the end of the context).
+    """
+
+    model_name: str
+    max_queue: int = 64
+    request_timeout: float = 300.0
+    default_completion_tokens: int = 16  # OpenAI's default for /v1/completions
+    default_max_tokens: int = 512
+    max_body_bytes: int = 8 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if not self.model_name:
+            raise ConfigError("the served model name must not be empty")
+        if self.max_queue < 0:
+            raise ConfigError(f"max_queue must be >= 0, got {self.max_queue}")
+        if not self.request_timeout > 0:
+            raise ConfigError(f"request_timeout must be > 0 seconds, got {self.request_timeout}")
+        if self.default_completion_tokens < 1 or self.default_max_tokens < 1:
+            raise ConfigError("default token limits must be >= 1")
+        if self.max_body_bytes < 1024:
+            raise ConfigError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
