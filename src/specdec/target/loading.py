@@ -96,7 +96,7 @@ def convert_gguf(gguf: Path, root: Path | None = None) -> Path:
             str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
         )
     except (ValueError, KeyError) as e:
-        if "architecture" in str(e).lower() or "not supported" in str(e).lower():
+        if "not supported" in str(e).lower():
             raise UnsupportedModelError(f"{gguf}: {e}") from e
         raise CorruptModelError(f"cannot read GGUF file {gguf}: {e}") from e
     except Exception as e:  # gguf's reader raises bare errors on truncated files
