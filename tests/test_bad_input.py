@@ -132,17 +132,31 @@ def test_cli_errors_are_one_line(tiny_model_dir, args, words):
     assert len(lines) == 1 and lines[0].startswith("error:") and words in lines[0], result.stderr
 
 
-def test_cli_error_in_a_real_process_has_no_traceback(tmp_path, other_vocab_model_dir,
-                                                       tiny_model_dir):
+def test_cli_error_in_a_real_process_has_no_traceback(
+    tmp_path, other_vocab_model_dir, tiny_model_dir
+):
     cases = [
         (["generate", "hi", "--model", str(tmp_path / "missing")], "does not exist"),
-        (["generate", "hi", "--model", str(tiny_model_dir), "--method", "draft", "--draft",
-          str(other_vocab_model_dir)], "vocabulary"),
+        (
+            [
+                "generate",
+                "hi",
+                "--model",
+                str(tiny_model_dir),
+                "--method",
+                "draft",
+                "--draft",
+                str(other_vocab_model_dir),
+            ],
+            "vocabulary",
+        ),
     ]
     for args, words in cases:
         proc = subprocess.run(
             [sys.executable, "-m", "specdec.cli.main", *args],
-            capture_output=True, text=True, timeout=120,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert proc.returncode == 2, proc.stderr
         assert "Traceback" not in proc.stderr

@@ -13,12 +13,12 @@ from scipy.stats import chisquare
 
 from specdec import SpeculativeEngine
 from specdec.cache import KVCache
+from specdec.config import SamplingConfig
 from specdec.speculators import DraftModelSpeculator
 from specdec.target import ModelRunner, load_model
 from specdec.testing import MarkovTarget, ScriptedSpeculator, word_tokenizer
 from specdec.tree import DraftTree
 from specdec.verify import probs_from_logits
-from specdec.config import SamplingConfig
 
 PROMPT = "ROMEO: But soft, what light through yonder window breaks?"
 
@@ -37,7 +37,7 @@ def fresh_cache(model, tokens: list[int]) -> KVCache:
 def assert_cache_equals_prefill(cache: KVCache, model) -> None:
     ref = fresh_cache(model, cache.tokens)
     assert len(cache.hf.layers) == len(ref.hf.layers)
-    for got, want in zip(cache.hf.layers, ref.hf.layers):
+    for got, want in zip(cache.hf.layers, ref.hf.layers, strict=False):
         assert got.keys.shape == want.keys.shape
         torch.testing.assert_close(got.keys, want.keys, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(got.values, want.values, atol=1e-4, rtol=1e-4)
@@ -46,15 +46,17 @@ def assert_cache_equals_prefill(cache: KVCache, model) -> None:
 def test_kv_cache_invariant_after_mixed_accept_reject(tiny32):
     """After every step the target cache holds exactly the committed tokens but the last, and
     equals a fresh prefill of them; the draft's cache likewise after its rollback."""
-    engine = SpeculativeEngine.from_pretrained(tiny32, method="draft", draft="layers:2",
-                                               num_draft_tokens=4)
+    engine = SpeculativeEngine.from_pretrained(
+        tiny32, method="draft", draft="layers:2", num_draft_tokens=4, adaptive=False
+    )
     prompt_ids = engine.encode(PROMPT)
     committed = list(prompt_ids)
     accepted_counts = []
     from specdec.config import GenerationConfig
 
-    for event in engine.stream_ids(prompt_ids, GenerationConfig(max_new_tokens=40,
-                                                                 ignore_eos=True)):
+    for event in engine.stream_ids(
+        prompt_ids, GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    ):
         committed.extend(event.token_ids)
         accepted_counts.append(len(event.token_ids))
         cache = engine.target.runner.cache
@@ -90,8 +92,13 @@ def test_all_accepted_drafts_past_max_new_tokens_are_not_emitted(tiny32):
     n_prompt = len(engine.encode(PROMPT))
     # An oracle drafting the true continuation: everything is accepted, in bulk.
     script = {n_prompt + i: plain.token_ids[i : i + 8] for i in range(20)}
-    oracle = SpeculativeEngine(engine.target, engine.tokenizer, ScriptedSpeculator(script),
-                               num_draft_tokens=8)
+    oracle = SpeculativeEngine(
+        engine.target,
+        engine.tokenizer,
+        ScriptedSpeculator(script),
+        num_draft_tokens=8,
+        adaptive=False,
+    )
     for limit in (1, 5, 7, 9):
         res = oracle.generate(PROMPT, max_new_tokens=limit, ignore_eos=True)
         assert res.token_ids == plain.token_ids[:limit]
@@ -108,8 +115,13 @@ def test_stop_string_in_bulk_acceptance(tiny32):
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     n_prompt = len(engine.encode(PROMPT))
     script = {n_prompt + i: plain.token_ids[i : i + 10] for i in range(30)}
-    oracle = SpeculativeEngine(engine.target, engine.tokenizer, ScriptedSpeculator(script),
-                               num_draft_tokens=10)
+    oracle = SpeculativeEngine(
+        engine.target,
+        engine.tokenizer,
+        ScriptedSpeculator(script),
+        num_draft_tokens=10,
+        adaptive=False,
+    )
     for eng in (engine, oracle):
         res = eng.generate(PROMPT, max_new_tokens=30, ignore_eos=True, stop=[stop])
         assert res.finish_reason == "stop"
@@ -126,8 +138,13 @@ def test_eos_in_bulk_acceptance_ends_the_request():
     table = torch.full((v + 1, v + 1), -5.0)
     table[0, 1] = table[1, 2] = table[2, v] = table[v, 3] = 5.0  # 0 -> 1 -> 2 -> EOS -> 3
     script = {1: [1, 2, v, 3, 3]}
-    engine = SpeculativeEngine(MarkovTarget(table), word_tokenizer(v), ScriptedSpeculator(script),
-                               num_draft_tokens=5)
+    engine = SpeculativeEngine(
+        MarkovTarget(table),
+        word_tokenizer(v),
+        ScriptedSpeculator(script),
+        num_draft_tokens=5,
+        adaptive=False,
+    )
     from specdec.config import GenerationConfig
 
     events = list(engine.stream_ids([0], GenerationConfig(max_new_tokens=10)))
@@ -169,8 +186,9 @@ def test_real_model_sampling_distribution_of_two_tokens(tiny_model_dir):
     the joint of the first two sampled tokens matches the exact p(x1) p(x2 | x1)."""
     loaded = load_model(tiny_model_dir, dtype="float64")
     cfg = SamplingConfig(temperature=1.0, top_k=3)
-    engine = SpeculativeEngine.from_pretrained(loaded, method="draft", draft="layers:1",
-                                               num_draft_tokens=3)
+    engine = SpeculativeEngine.from_pretrained(
+        loaded, method="draft", draft="layers:1", num_draft_tokens=3, adaptive=False
+    )
     prompt_ids = engine.encode(PROMPT)
     runner = ModelRunner(loaded.model)
     p1 = probs_from_logits(runner.forward(prompt_ids)[-1:], cfg)[0]
@@ -185,10 +203,16 @@ def test_real_model_sampling_distribution_of_two_tokens(tiny_model_dir):
     from specdec.config import GenerationConfig
 
     for seed in range(n):
-        config = GenerationConfig(max_new_tokens=2, ignore_eos=True,
-                                  sampling=SamplingConfig(temperature=1.0, top_k=3, seed=seed))
-        ids = list(itertools.chain.from_iterable(
-            e.token_ids for e in engine.stream_ids(prompt_ids, config)))
+        config = GenerationConfig(
+            max_new_tokens=2,
+            ignore_eos=True,
+            sampling=SamplingConfig(temperature=1.0, top_k=3, seed=seed),
+        )
+        ids = list(
+            itertools.chain.from_iterable(
+                e.token_ids for e in engine.stream_ids(prompt_ids, config)
+            )
+        )
         counts[tuple(ids)] += 1
     assert set(counts) <= set(exact)
     keys = sorted(exact)

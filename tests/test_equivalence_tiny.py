@@ -44,16 +44,25 @@ def hf_greedy(loaded, prompt_ids: list[int], n: int) -> list[int]:
     return out[0, len(prompt_ids) :].tolist()
 
 
-@pytest.mark.parametrize("k", [1, 3, 6])
 @pytest.mark.parametrize(
-    "method,draft",
-    [("prompt-lookup", None), ("draft", "layers:1"), ("draft", "layers:3"), ("draft", "DIR")],
+    "method,draft,k,adaptive",
+    [
+        ("prompt-lookup", None, 1, False),
+        ("prompt-lookup", None, 4, False),
+        ("prompt-lookup", None, 6, True),
+        ("draft", "layers:1", 3, False),
+        ("draft", "layers:3", 1, False),
+        ("draft", "layers:3", 5, False),
+        ("draft", "layers:3", 6, True),
+        ("draft", "DIR", 4, False),
+    ],
 )
-def test_greedy_equals_plain(tiny64, tiny_draft_dir, method, draft, k):
+def test_greedy_equals_plain(tiny64, tiny_draft_dir, method, draft, k, adaptive):
     if draft == "DIR":
         draft = str(tiny_draft_dir)
-    engine = SpeculativeEngine.from_pretrained(tiny64, method=method, draft=draft,
-                                               num_draft_tokens=k)
+    engine = SpeculativeEngine.from_pretrained(
+        tiny64, method=method, draft=draft, num_draft_tokens=k, adaptive=adaptive
+    )
     accepted_total = drafted_total = 0
     for prompt in PROMPTS:
         plain = engine.generate(prompt, max_new_tokens=40, ignore_eos=True, speculate=False)

@@ -151,7 +151,8 @@ def test_prompt_lookup_drafts_a_real_continuation(tokens, budget):
     if drafts:
         n = len(tokens)
         hits = [
-            j for j in range(n - 1)
+            j
+            for j in range(n - 1)
             if tokens[j] == tokens[-1] and tokens[j + 1 : j + 1 + len(drafts)] == drafts
         ]
         assert hits

@@ -31,14 +31,17 @@ class SamplingConfig:
             raise InvalidRequestError("temperature must be a number", param="temperature")
         if self.temperature < 0:
             raise InvalidRequestError(
-                f"temperature must be >= 0 (0 = greedy), got {self.temperature}", param="temperature"
+                f"temperature must be >= 0 (0 = greedy), got {self.temperature}",
+                param="temperature",
             )
         if not (0.0 < self.top_p <= 1.0):
-            raise InvalidRequestError(
-                f"top_p must be in (0, 1], got {self.top_p}", param="top_p"
-            )
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
+        if self.seed is not None and not (-(2**63) <= self.seed < 2**64):
+            raise InvalidRequestError("seed must fit in 64 bits", param="seed")
         if self.top_k < 0:
-            raise InvalidRequestError(f"top_k must be >= 0 (0 = off), got {self.top_k}", param="top_k")
+            raise InvalidRequestError(
+                f"top_k must be >= 0 (0 = off), got {self.top_k}", param="top_k"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -83,9 +86,7 @@ class SpeculationConfig:
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens < 1:
-            raise ConfigError(
-                f"num_draft_tokens (K) must be >= 1, got {self.num_draft_tokens}"
-            )
+            raise ConfigError(f"num_draft_tokens (K) must be >= 1, got {self.num_draft_tokens}")
         if not (1 <= self.prompt_lookup_min_ngram <= self.prompt_lookup_max_ngram):
             raise ConfigError(
                 "prompt lookup n-gram sizes must satisfy 1 <= min <= max, got "

@@ -12,7 +12,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from specdec.config import GenerationConfig, SamplingConfig, SpeculationConfig
-from specdec.control import FixedBudget
+from specdec.control import AdaptiveBudget, CostModel, FixedBudget
 from specdec.events import GenerationResult, TokenEvent
 from specdec.metrics import RequestStats
 from specdec.request import Prompt, check_fits, encode_prompt
@@ -39,6 +39,7 @@ class _Request:
     speculator: Speculator
     rule: AcceptanceRule
     generator: torch.Generator
+    budget: AdaptiveBudget | FixedBudget
     stats: RequestStats = field(default_factory=RequestStats)
 
     @property
@@ -77,15 +78,21 @@ class SpeculativeEngine:
         eos_token_ids: Sequence[int] | None = None,
         loaded: LoadedModel | None = None,
         acceptance_rule: AcceptanceRule | None = None,
+        adaptive: bool = True,
     ) -> None:
-        """``acceptance_rule`` overrides the lossless default (greedy match / rejection
-        sampling, chosen per request); only opt-in lossy rules or tests pass one."""
+        """``adaptive`` drafts, per step, the length (up to K) that maximises expected tokens
+        per second from measured acceptance and verification cost, drafting nothing when that
+        does not pay; ``adaptive=False`` always drafts K. ``acceptance_rule`` overrides the
+        lossless default (greedy match / rejection sampling, chosen per request); only opt-in
+        lossy rules or tests pass one."""
         self.target = target
         self.acceptance_rule = acceptance_rule
         self.tokenizer = tokenizer
         self.speculator: Speculator = speculator or NoSpeculator()
         SpeculationConfig(num_draft_tokens=num_draft_tokens)  # validates K >= 1
-        self.controller = FixedBudget(num_draft_tokens)
+        self.num_draft_tokens = num_draft_tokens
+        self.adaptive = adaptive
+        self.cost_model = CostModel()  # T(n) measured on this machine, shared by requests
         self.loaded = loaded
         self.eos_token_ids = (
             frozenset(eos_token_ids) if eos_token_ids is not None else _eos_ids(tokenizer, loaded)
@@ -105,6 +112,7 @@ class SpeculativeEngine:
         dtype: str = "float32",
         prompt_lookup_max_ngram: int = 3,
         prompt_lookup_min_ngram: int = 1,
+        adaptive: bool = True,
     ) -> SpeculativeEngine:
         """Load a target (a local HF directory, a GGUF file, or the bundled default model when
         both are ``None``) and build the speculator registered under ``method``."""
@@ -115,8 +123,8 @@ class SpeculativeEngine:
             prompt_lookup_max_ngram=prompt_lookup_max_ngram,
             prompt_lookup_min_ngram=prompt_lookup_min_ngram,
         )
-        loaded = model if isinstance(model, LoadedModel) else load_model(
-            model, gguf=gguf, dtype=dtype
+        loaded = (
+            model if isinstance(model, LoadedModel) else load_model(model, gguf=gguf, dtype=dtype)
         )
         speculator = build_speculator(loaded, spec)
         return cls(
@@ -125,6 +133,7 @@ class SpeculativeEngine:
             speculator,
             num_draft_tokens=spec.num_draft_tokens,
             loaded=loaded,
+            adaptive=adaptive,
         )
 
     @property
@@ -184,6 +193,7 @@ class SpeculativeEngine:
             speculator=self.speculator if speculate else self._plain,
             rule=self.acceptance_rule or rule_for(config.sampling),
             generator=make_generator(config.sampling.seed),
+            budget=self._budget_policy(config),
         )
         req.stats.prompt_tokens = len(prompt_ids)
         req.speculator.reset()
@@ -216,14 +226,23 @@ class SpeculativeEngine:
                     text += stopper.flush()  # release text held back for a possible stop
             req.stats.new_tokens = len(req.tokens) - req.prompt_len
             req.stats.seconds = time.perf_counter() - started
-            yield TokenEvent(tuple(emitted), text, finish, req.stats)
+            yield TokenEvent(tuple(emitted), text, finish, req.stats.snapshot())
             if finish is not None:
                 return
+
+    def _budget_policy(self, config: GenerationConfig) -> AdaptiveBudget | FixedBudget:
+        if not self.adaptive:
+            return FixedBudget(self.num_draft_tokens)
+        # Sampled output depends on the drafts, so its budget must not depend on timing.
+        costs = self.cost_model if config.sampling.greedy else CostModel.prior()
+        return AdaptiveBudget(self.num_draft_tokens, costs)
 
     def step(self, req: _Request) -> Acceptance:
         """One speculative step: draft, verify in one pass, accept, commit, observe."""
         root = req.tokens[-1]
-        budget = self.controller.choose(req.remaining, self.context_length - len(req.tokens))
+        room = self.context_length - len(req.tokens)
+        plain = req.speculator is self._plain
+        budget = 0 if plain else req.budget.choose(req.remaining, room)
         t0 = time.perf_counter()
         if budget > 0:
             context = DraftContext(req.tokens, req.prompt_len, req.config.sampling, req.generator)
@@ -238,7 +257,10 @@ class SpeculativeEngine:
         req.speculator.observe(Feedback(tree, acceptance))
         req.stats.draft_seconds += t1 - t0
         req.stats.verify_seconds += t2 - t1
-        req.stats.record_step(max(tree.depths), acceptance.num_accepted)
+        depth = max(tree.depths)
+        req.stats.record_step(depth, acceptance.num_accepted)
+        self.cost_model.observe(len(tree), t2 - t1)
+        req.budget.observe(depth, acceptance.num_accepted)
         return acceptance
 
     def generate(self, prompt: Prompt, **kwargs: Any) -> GenerationResult:

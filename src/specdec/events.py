@@ -13,7 +13,8 @@ class TokenEvent:
     """Tokens committed by one step, with the text they add (``text`` is a delta).
 
     ``finish_reason`` is set on the last event: ``"stop"`` (EOS or a stop string) or
-    ``"length"`` (``max_new_tokens``). ``stats`` is the live statistics object of the request.
+    ``"length"`` (``max_new_tokens``). ``stats`` is a snapshot of the request's statistics
+    after this step.
     """
 
     token_ids: tuple[int, ...]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
@@ -40,6 +40,10 @@ class RequestStats:
         for i in range(accepted):
             self.accepted_at[i] += 1
 
+    def snapshot(self) -> RequestStats:
+        """An independent copy, safe to hand to another thread while decoding goes on."""
+        return replace(self, drafted_at=list(self.drafted_at), accepted_at=list(self.accepted_at))
+
     @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
@@ -57,7 +61,8 @@ class RequestStats:
 
     @property
     def acceptance_by_position(self) -> list[float]:
-        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
+        pairs = zip(self.accepted_at, self.drafted_at, strict=True)
+        return [a / d if d else 0.0 for a, d in pairs]
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Union
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from specdec.errors import InvalidRequestError, PromptTooLongError
 
 Message = Mapping[str, Any]
-Prompt = Union[str, Sequence[Message]]
+Prompt = str | Sequence[Message]
 
 
 def encode_prompt(

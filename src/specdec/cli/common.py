@@ -37,6 +37,15 @@ DtypeOpt = Annotated[
     ),
 ]
 
+AdaptiveOpt = Annotated[
+    bool,
+    typer.Option(
+        "--adaptive/--fixed",
+        help="Adaptive: draft per step the length (<= K) that maximises measured tokens/s, "
+        "nothing when drafting does not pay. Fixed: always draft K.",
+    ),
+]
+
 T = TypeVar("T")
 
 
@@ -60,12 +69,13 @@ def load_engine(
     draft: str | None,
     num_draft_tokens: int,
     dtype: str,
+    adaptive: bool = True,
 ) -> Any:
     """Build the engine, telling the user about the one-time GGUF conversion."""
+    from transformers.utils import logging as hf_logging
+
     from specdec.engine import SpeculativeEngine
     from specdec.target import loading
-
-    from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     converting = False
@@ -89,6 +99,7 @@ def load_engine(
         draft=draft,
         num_draft_tokens=num_draft_tokens,
         dtype=dtype,
+        adaptive=adaptive,
     )
 
 

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from specdec.cli.common import (
+    AdaptiveOpt,
     DraftOpt,
     DtypeOpt,
     GgufOpt,
@@ -40,13 +41,15 @@ def generate(
     method: MethodOpt = "prompt-lookup",
     draft: DraftOpt = None,
     num_draft_tokens: KOpt = 5,
+    adaptive: AdaptiveOpt = True,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n")] = 128,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
     top_k: Annotated[int, typer.Option("--top-k", help="0 = off.")] = 0,
     seed: Annotated[int | None, typer.Option(help="Seed for reproducible sampling.")] = None,
-    stop: Annotated[list[str] | None, typer.Option("--stop", help="Stop string (repeatable).")]
-    = None,
+    stop: Annotated[
+        list[str] | None, typer.Option("--stop", help="Stop string (repeatable).")
+    ] = None,
     chat: Annotated[
         bool | None,
         typer.Option(
@@ -63,8 +66,10 @@ def generate(
 ) -> None:
     """Generate text with speculative decoding."""
     with user_errors():
-        engine = load_engine(model, gguf, method, draft, num_draft_tokens, dtype)
-        use_chat = chat if chat is not None else bool(getattr(engine.tokenizer, "chat_template", None))
+        engine = load_engine(model, gguf, method, draft, num_draft_tokens, dtype, adaptive)
+        use_chat = (
+            chat if chat is not None else bool(getattr(engine.tokenizer, "chat_template", None))
+        )
         kwargs: dict[str, Any] = dict(
             max_new_tokens=max_new_tokens,
             temperature=temperature,
@@ -89,7 +94,9 @@ def generate(
     if baseline is not None:
         out["baseline"] = baseline.stats.to_dict()
         out["speedup"] = (
-            round(baseline.stats.seconds / result.stats.seconds, 4) if result.stats.seconds else None
+            round(baseline.stats.seconds / result.stats.seconds, 4)
+            if result.stats.seconds
+            else None
         )
         out["identical"] = result.token_ids == baseline.token_ids if temperature == 0 else None
     out["numerics"] = engine.loaded.numerics if engine.loaded else None

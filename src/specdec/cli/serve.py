@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from specdec.cli.common import (
+    AdaptiveOpt,
     DraftOpt,
     DtypeOpt,
     GgufOpt,
@@ -37,6 +38,7 @@ def serve(
     method: MethodOpt = "prompt-lookup",
     draft: DraftOpt = None,
     num_draft_tokens: KOpt = 5,
+    adaptive: AdaptiveOpt = True,
     dtype: DtypeOpt = "float32",
     host: Annotated[str, typer.Option(help="Interface to listen on (loopback by default).")]
     = "127.0.0.1",
@@ -73,7 +75,7 @@ def serve(
             max_queue=max_queue,
             request_timeout=request_timeout,
         )
-        engine = load_engine(model, gguf, method, draft, num_draft_tokens, dtype)
+        engine = load_engine(model, gguf, method, draft, num_draft_tokens, dtype, adaptive)
         app = create_app(engine, config)
     err_console.print(
         f"serving {config.model_name!r} (method {engine.method}) on http://{host}:{port}/v1",

@@ -1,5 +1,5 @@
 """Controllers choose how much to draft per step."""
 
-from specdec.control.budget import FixedBudget
+from specdec.control.budget import AdaptiveBudget, CostModel, FixedBudget, expected_tokens
 
-__all__ = ["FixedBudget"]
+__all__ = ["AdaptiveBudget", "CostModel", "FixedBudget", "expected_tokens"]

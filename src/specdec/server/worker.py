@@ -11,7 +11,6 @@ one more step.
 from __future__ import annotations
 
 import asyncio
-import copy
 import enum
 import logging
 import math
@@ -59,7 +58,7 @@ class Started:
 class Produced:
     """One engine step's output, stamped when the worker produced it.
 
-    ``stats`` is a snapshot: the event's own stats object keeps changing on the worker thread.
+    ``stats`` is the snapshot the engine took after this step.
     """
 
     event: TokenEvent
@@ -269,7 +268,7 @@ class EngineWorker:
         try:
             job.post(Started(time.perf_counter()))
             for event in events:
-                job.post(Produced(event, copy.deepcopy(event.stats), time.perf_counter()))
+                job.post(Produced(event, event.stats, time.perf_counter()))
                 if event.finish_reason is not None:
                     return Outcome.DONE
                 if job.cancelled:

@@ -5,4 +5,12 @@ from specdec.target.hf import HFTarget, Target
 from specdec.target.loading import LoadedModel, default_gguf_path, load_model
 from specdec.target.runner import ModelRunner
 
-__all__ = ["HFTarget", "LoadedModel", "Target", "ModelRunner", "default_gguf_path", "early_exit_model", "load_model"]
+__all__ = [
+    "HFTarget",
+    "LoadedModel",
+    "Target",
+    "ModelRunner",
+    "default_gguf_path",
+    "early_exit_model",
+    "load_model",
+]

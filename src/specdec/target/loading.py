@@ -133,9 +133,7 @@ def _load_dir(path: Path, torch_dtype: torch.dtype) -> tuple[PreTrainedModel, An
             "(config.json + *.safetensors) or --gguf FILE. specdec never downloads from a hub."
         )
     if not (path / "config.json").is_file():
-        raise ModelNotFoundError(
-            f"{path} is not a Hugging Face model directory (no config.json)"
-        )
+        raise ModelNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
     try:
         config = AutoConfig.from_pretrained(str(path))
     except Exception as e:
@@ -157,8 +155,7 @@ def _load_dir(path: Path, torch_dtype: torch.dtype) -> tuple[PreTrainedModel, An
         raise CorruptModelError(f"cannot load weights from {path}: {e}") from e
     except Exception as e:
         raise CorruptModelError(
-            f"cannot load weights from {path} (truncated or corrupt file?): "
-            f"{type(e).__name__}: {e}"
+            f"cannot load weights from {path} (truncated or corrupt file?): {type(e).__name__}: {e}"
         ) from e
     missing = [k for k in info.get("missing_keys", []) if "rotary" not in k]
     if missing:

@@ -108,9 +108,7 @@ def get_numerics(name: str) -> Numerics:
     try:
         return NUMERICS[name]
     except KeyError:
-        raise ConfigError(
-            f"unknown dtype {name!r}; choose one of: {', '.join(NUMERICS)}"
-        ) from None
+        raise ConfigError(f"unknown dtype {name!r}; choose one of: {', '.join(NUMERICS)}") from None
 
 
 def apply_numerics(model: nn.Module, numerics: Numerics) -> str:
