@@ -44,7 +44,9 @@ def encode_prompt(
                 "this model's tokenizer has no chat template; pass a plain prompt instead",
                 param="messages",
             )
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(
+            [dict(m) for m in messages], add_generation_prompt=True, tokenize=True
+        )
         if isinstance(ids, Mapping):  # newer tokenizers return a BatchEncoding
             ids = ids["input_ids"]
     ids = [int(t) for t in ids]

@@ -23,9 +23,11 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(
+        text = self.tokenizer.decode(
             ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
         )
+        assert isinstance(text, str)
+        return text
 
     def push(self, token: int) -> str:
         self.ids.append(int(token))

@@ -88,6 +88,7 @@ class KVCache:
         idx = torch.tensor(keep, dtype=torch.long) + start
         for layer in self.hf.layers:
             assert isinstance(layer, DynamicLayer)
+            assert layer.keys is not None and layer.values is not None
             layer.keys = torch.cat([layer.keys[..., :start, :], layer.keys[..., idx, :]], dim=-2)
             layer.values = torch.cat(
                 [layer.values[..., :start, :], layer.values[..., idx, :]], dim=-2

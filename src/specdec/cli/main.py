@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from specdec.cli.bench import bench
 from specdec.cli.generate import generate
 from specdec.cli.serve import serve
 
@@ -16,6 +17,7 @@ app = typer.Typer(
 )
 app.command()(generate)
 app.command()(serve)
+app.command()(bench)
 
 
 @app.callback()

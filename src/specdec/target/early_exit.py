@@ -21,7 +21,7 @@ def early_exit_model(target: PreTrainedModel, num_layers: int) -> PreTrainedMode
     """A causal LM over ``target``'s first ``num_layers`` decoder layers."""
     backbone = getattr(target, "model", None)
     layers = getattr(backbone, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
+    if backbone is None or not isinstance(layers, nn.ModuleList):
         raise UnsupportedModelError(
             f"layers:N drafts need a decoder with `.model.layers`; {type(target).__name__} has none"
         )

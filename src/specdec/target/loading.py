@@ -139,13 +139,15 @@ def _load_dir(path: Path, torch_dtype: torch.dtype) -> tuple[PreTrainedModel, An
     except Exception as e:
         raise CorruptModelError(f"cannot read {path / 'config.json'}: {e}") from e
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(
+        loaded: Any = AutoModelForCausalLM.from_pretrained(
             str(path),
             config=config,
             dtype=torch_dtype,
             attn_implementation=attention.register(),
             output_loading_info=True,
         )
+        model: PreTrainedModel = loaded[0]
+        info: dict[str, Any] = loaded[1]
     except ValueError as e:
         if "Unrecognized configuration" in str(e) or "not supported" in str(e):
             raise UnsupportedModelError(

@@ -1,0 +1,123 @@
+"""``specdec bench`` end to end: tiny real models for the fast checks, the bundled model for the
+CI quick mode, and every bad input as one line with a non-zero exit."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from specdec.cli.bench import EXIT_BAD_LINES
+from specdec.cli.main import app
+
+runner = CliRunner()
+
+
+def q(qid: int, cat: str, text: str) -> str:
+    return json.dumps({"question_id": qid, "category": cat, "turns": [text]})
+
+
+@pytest.fixture
+def tiny_dataset(tmp_path: Path) -> Path:
+    p = tmp_path / "questions.jsonl"
+    p.write_text(
+        "\n".join([
+            q(81, "writing", "ROMEO: But soft, what light through yonder window breaks?"),
+            q(321, "qa", "First Citizen: Before we proceed any further, hear me speak."),
+            "{broken",
+            q(322, "qa", "KING RICHARD III: Now is the winter of our discontent"),
+        ]) + "\n",
+        encoding="utf-8",
+    )
+    return p
+
+
+def invoke(args: list[str]):
+    result = runner.invoke(app, ["bench", *args])
+    assert "Traceback" not in result.output, result.output
+    return result
+
+
+def read_rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+
+
+def check_outputs(out: Path, methods: list[str], prompts: int) -> list[dict]:
+    rows = read_rows(out)
+    assert [r["method"] for r in rows[: len(methods)]] == methods  # interleaved per prompt
+    assert len(rows) == len(methods) * prompts
+    for r in rows:
+        assert r["identical"] is True, r
+        assert r["new_tokens"] > 0 and math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > 0
+        assert r["seconds"] > 0
+        assert {"cpu", "threads", "torch", "transformers", "dtype"} <= set(r["env"])
+        if r["method"] in ("none", "prompt-lookup") or r["method"].startswith("draft"):
+            assert r["mean_accepted"] >= 1.0
+    report = (out / "report.md").read_text()
+    assert "## Overall" in report
+    for m in methods:
+        assert f"| `{m}` |" in report
+    for png in ("speedup.png", "tau.png", "acceptance.png"):
+        assert (out / png).stat().st_size > 1000
+    return rows
+
+
+def test_tiny_all_kinds_of_method_and_a_malformed_line(tiny_model_dir, tiny_dataset, tmp_path):
+    out = tmp_path / "out"
+    methods = ["none", "prompt-lookup", "draft:layers:2", "hf", "hf-prompt-lookup",
+               "hf-assisted:layers:2"]
+    result = invoke([
+        "--model", str(tiny_model_dir), "--dataset", str(tiny_dataset), "--methods",
+        ",".join(methods), "--max-new-tokens", "12", "--out", str(out), "--no-plots",
+        "--threads", "1",
+    ])
+    # the malformed line is reported with its number, the other questions still run
+    assert result.exit_code == EXIT_BAD_LINES, result.output
+    assert "questions.jsonl:3" in result.output
+    rows = read_rows(out)
+    assert {r["question_id"] for r in rows} == {81, 321, 322}
+    assert {r["group"] for r in rows} == {"mt_bench", "qa"}
+    assert all(r["identical"] for r in rows)
+    # --from-results rebuilds the report and plots from the rows alone
+    result = invoke(["--from-results", str(out / "results.jsonl"), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    check_outputs(out, methods, prompts=3)
+    assert "line 3" in (out / "report.md").read_text()  # skipped lines are in the report
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--dataset", "/nonexistent/q.jsonl"], "does not exist"),
+        (["--methods", "none,medusa"], "unknown method 'medusa'"),
+        (["--categories", "poetry"], "unknown category 'poetry'"),
+        (["--per-category", "0"], "--per-category must be >= 1"),
+        (["--methods", "draft"], "needs a draft"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args, message, tiny_dataset, tiny_model_dir, tmp_path):
+    base = ["--dataset", str(tiny_dataset), "--model", str(tiny_model_dir), "--out",
+            str(tmp_path / "o")]
+    result = invoke(base + args)  # later options win
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert result.output.strip().count("\n") == 0 or "warning" in result.output
+    assert not (tmp_path / "o" / "results.jsonl").exists()  # failed before any model work
+
+
+@pytest.mark.slow
+def test_quick_mode_on_the_bundled_model(smol_dir, tmp_path):
+    """The CI check: --quick on the real model; identity must hold for every method."""
+    out = tmp_path / "quick"
+    methods = ["none", "prompt-lookup", "hf"]
+    result = invoke([
+        "--quick", "--model", str(smol_dir), "--methods", ",".join(methods),
+        "--categories", "qa,math_reasoning", "--threads", "1", "--out", str(out),
+    ])
+    assert result.exit_code == 0, result.output
+    rows = check_outputs(out, methods, prompts=2)
+    assert all(r["new_tokens"] <= 32 for r in rows)
+    assert {r["group"] for r in rows} == {"qa", "math_reasoning"}
