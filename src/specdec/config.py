@@ -82,7 +82,7 @@ class SpeculationConfig:
     num_draft_tokens: int = 5
     draft: str | None = None
     prompt_lookup_max_ngram: int = 3
-    prompt_lookup_min_ngram: int = 1
+    prompt_lookup_min_ngram: int = 2
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens < 1:

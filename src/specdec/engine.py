@@ -111,7 +111,7 @@ class SpeculativeEngine:
         num_draft_tokens: int = 5,
         dtype: str = "float32",
         prompt_lookup_max_ngram: int = 3,
-        prompt_lookup_min_ngram: int = 1,
+        prompt_lookup_min_ngram: int = 2,
         adaptive: bool = True,
     ) -> SpeculativeEngine:
         """Load a target (a local HF directory, a GGUF file, or the bundled default model when

@@ -20,7 +20,7 @@ class PromptLookupSpeculator:
     produces_q: ClassVar[bool] = False
     needs_hidden_states: ClassVar[bool] = False
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 2) -> None:
         self.sizes = list(range(max_ngram, min_ngram - 1, -1))
         self.reset()
 
