@@ -19,6 +19,7 @@ import torch
 from rich.console import Console
 from rich.progress import track
 
+from specdec.request import encode_prompt
 from specdec.target import ModelRunner, load_model
 from specdec.target.numerics import NUMERICS
 
@@ -57,11 +58,7 @@ def main() -> None:
     console = Console()
     ref = load_model(args.model, dtype="float32-stock")
     tok = ref.tokenizer
-    prompts = [
-        tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
-        for p in PROMPTS
-    ]
-    prompts = [p["input_ids"] if isinstance(p, dict) else p for p in prompts]
+    prompts = [encode_prompt(tok, p, chat=True) for p in PROMPTS]
     ref_logits = [ModelRunner(ref.model).forward(p).double() for p in prompts]
     rows = []
     for name in track(list(NUMERICS), description="numerics", console=console):
