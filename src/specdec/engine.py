@@ -47,19 +47,6 @@ class _Request:
         return self.config.max_new_tokens - (len(self.tokens) - self.prompt_len)
 
 
-def _eos_ids(tokenizer: PreTrainedTokenizerBase, loaded: LoadedModel | None) -> frozenset[int]:
-    ids: set[int] = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    gen_eos = getattr(getattr(loaded, "model", None), "generation_config", None)
-    eos = getattr(gen_eos, "eos_token_id", None)
-    if isinstance(eos, int):
-        ids.add(eos)
-    elif isinstance(eos, (list, tuple)):
-        ids.update(int(e) for e in eos)
-    return frozenset(ids)
-
-
 class SpeculativeEngine:
     """Lossless speculative decoding over one target model.
 
@@ -94,9 +81,13 @@ class SpeculativeEngine:
         self.adaptive = adaptive
         self.cost_model = CostModel()  # T(n) measured on this machine, shared by requests
         self.loaded = loaded
-        self.eos_token_ids = (
-            frozenset(eos_token_ids) if eos_token_ids is not None else _eos_ids(tokenizer, loaded)
-        )
+        if eos_token_ids is not None:
+            self.eos_token_ids = frozenset(eos_token_ids)
+        elif loaded is not None:
+            self.eos_token_ids = loaded.eos_token_ids
+        else:
+            eos = tokenizer.eos_token_id
+            self.eos_token_ids = frozenset() if eos is None else frozenset({int(eos)})
         self._plain = NoSpeculator()
 
     # -- construction ---------------------------------------------------------------------------

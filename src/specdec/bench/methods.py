@@ -103,19 +103,6 @@ def parse_methods(text: str | Sequence[str], engine_methods: Sequence[str] | Non
     ]
 
 
-def eos_ids(loaded: LoadedModel) -> list[int]:
-    """EOS ids as our engine uses them (tokenizer EOS plus the generation config's)."""
-    ids: set[int] = set()
-    if loaded.tokenizer.eos_token_id is not None:
-        ids.add(int(loaded.tokenizer.eos_token_id))
-    eos = getattr(loaded.model.generation_config, "eos_token_id", None)
-    if isinstance(eos, int):
-        ids.add(eos)
-    elif isinstance(eos, (list, tuple)):
-        ids.update(int(e) for e in eos)
-    return sorted(ids)
-
-
 class EngineRunner:
     """Our engine; ``none`` is plain decoding through the same loop."""
 
@@ -157,7 +144,7 @@ class HFRunner:
     def __init__(self, spec: MethodSpec, loaded: LoadedModel, num_draft_tokens: int) -> None:
         self.spec = spec
         self.model: Any = loaded.model  # generate() is untyped in transformers' stubs
-        self.eos = eos_ids(loaded)
+        self.eos = sorted(loaded.eos_token_ids)
         self.kwargs: dict[str, Any] = _HF_KWARGS[spec.name](loaded, spec, num_draft_tokens)
 
     def run(self, prompt_ids: Sequence[int], max_new_tokens: int) -> RunOutput:

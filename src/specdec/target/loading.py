@@ -45,6 +45,20 @@ class LoadedModel:
     numerics: str
     dtype_name: str
 
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The tokenizer's EOS plus every EOS of the generation config (chat models often end
+        turns with a token other than the tokenizer's EOS)."""
+        ids: set[int] = set()
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, (list, tuple)):
+            ids.update(int(e) for e in eos)
+        return frozenset(ids)
+
 
 def cache_root() -> Path:
     """``$XDG_CACHE_HOME/specdec`` (``~/.cache/specdec`` by default)."""
