@@ -19,10 +19,10 @@ import copy
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import jinja2
 from fastapi import FastAPI, Request
@@ -243,29 +243,12 @@ class _Service:
     ) -> Response:
         run = self.admit(prepared)
         try:
-            await run.wait_started(request)
+            await _closing_on_failure(run, run.wait_started(request))
+            if prepared.stream:
+                return _StreamResponse(run.sse(render), on_close=lambda: run.close("cancelled"))
+            text, final = await _closing_on_failure(run, run.collect(request))
         except _ClientGone:
-            run.close("cancelled")
             return Response(status_code=_CLIENT_CLOSED)
-        except APIError as e:
-            run.close(_outcome_label(e))
-            raise
-        except BaseException:
-            run.close("error")
-            raise
-        if prepared.stream:
-            return _StreamResponse(run.sse(render), on_close=lambda: run.close("cancelled"))
-        try:
-            text, final = await run.collect(request)
-        except _ClientGone:
-            run.close("cancelled")
-            return Response(status_code=_CLIENT_CLOSED)
-        except APIError as e:
-            run.close(_outcome_label(e))
-            raise
-        except BaseException:
-            run.close("error")
-            raise
         run.close("ok")
         return JSONResponse(render.whole(prepared, text, final, self.method))
 
@@ -429,6 +412,25 @@ class _Run:
             self._first_at is not None and self._last_at is not None and stats.new_tokens > 1
         ):
             m.tpot.observe((self._last_at - self._first_at) / (stats.new_tokens - 1))
+
+
+T = TypeVar("T")
+
+
+async def _closing_on_failure(run: _Run, awaitable: Awaitable[T]) -> T:
+    """Await a stage of ``run``; if it fails, close the run with the matching outcome label
+    (the metrics count cancellations, API errors and crashes apart) and re-raise."""
+    try:
+        return await awaitable
+    except _ClientGone:
+        run.close("cancelled")
+        raise
+    except APIError as e:
+        run.close(_outcome_label(e))
+        raise
+    except BaseException:
+        run.close("error")
+        raise
 
 
 def _outcome_label(error: APIError) -> str:
