@@ -86,19 +86,23 @@ def test_tree_verification_and_compaction(tiny32):
     assert_cache_equals_prefill(runner.cache, model)
 
 
-def test_all_accepted_drafts_past_max_new_tokens_are_not_emitted(tiny32):
-    engine = SpeculativeEngine.from_pretrained(tiny32)
-    plain = engine.generate(PROMPT, max_new_tokens=20, ignore_eos=True, speculate=False)
+def oracle_engine(engine: SpeculativeEngine, plain_ids: list[int], k: int) -> SpeculativeEngine:
+    """Same target, drafting the true greedy continuation: everything is accepted, in bulk."""
     n_prompt = len(engine.encode(PROMPT))
-    # An oracle drafting the true continuation: everything is accepted, in bulk.
-    script = {n_prompt + i: plain.token_ids[i : i + 8] for i in range(20)}
-    oracle = SpeculativeEngine(
+    script = {n_prompt + i: plain_ids[i : i + k] for i in range(len(plain_ids))}
+    return SpeculativeEngine(
         engine.target,
         engine.tokenizer,
         ScriptedSpeculator(script),
-        num_draft_tokens=8,
+        num_draft_tokens=k,
         adaptive=False,
     )
+
+
+def test_all_accepted_drafts_past_max_new_tokens_are_not_emitted(tiny32):
+    engine = SpeculativeEngine.from_pretrained(tiny32)
+    plain = engine.generate(PROMPT, max_new_tokens=20, ignore_eos=True, speculate=False)
+    oracle = oracle_engine(engine, plain.token_ids, 8)
     for limit in (1, 5, 7, 9):
         res = oracle.generate(PROMPT, max_new_tokens=limit, ignore_eos=True)
         assert res.token_ids == plain.token_ids[:limit]
@@ -113,15 +117,7 @@ def test_stop_string_in_bulk_acceptance(tiny32):
     plain = engine.generate(PROMPT, max_new_tokens=30, ignore_eos=True, speculate=False)
     text = plain.text
     stop = text[len(text) // 2 : len(text) // 2 + 3]
-    n_prompt = len(engine.encode(PROMPT))
-    script = {n_prompt + i: plain.token_ids[i : i + 10] for i in range(30)}
-    oracle = SpeculativeEngine(
-        engine.target,
-        engine.tokenizer,
-        ScriptedSpeculator(script),
-        num_draft_tokens=10,
-        adaptive=False,
-    )
+    oracle = oracle_engine(engine, plain.token_ids, 10)
     for eng in (engine, oracle):
         res = eng.generate(PROMPT, max_new_tokens=30, ignore_eos=True, stop=[stop])
         assert res.finish_reason == "stop"

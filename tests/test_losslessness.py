@@ -116,16 +116,22 @@ class ResampleFromPRule(RejectionSamplingRule):
         return Acceptance(tuple(range(node + 1)), (*accepted, token))
 
 
-def make_engine(rule=None) -> SpeculativeEngine:
+def make_engine(rule=None, speculator=None) -> SpeculativeEngine:
+    """The Markov target with K fixed drafts per step (default: the Markov draft q)."""
     target, draft = tables()
     return SpeculativeEngine(
         MarkovTarget(target),
         word_tokenizer(V),
-        MarkovSpeculator(draft),
+        speculator or MarkovSpeculator(draft),
         num_draft_tokens=K,
         acceptance_rule=rule,
         adaptive=False,
     )
+
+
+def lossless_pvalue(engine: SpeculativeEngine) -> float:
+    target, _ = tables()
+    return chi_square_pvalue(sample_joint(engine, start=0), exact_joint(target, 0))
 
 
 def test_draft_differs_clearly_from_target():
@@ -136,10 +142,8 @@ def test_draft_differs_clearly_from_target():
 
 
 def test_speculative_sampling_matches_target_distribution():
-    target, _ = tables()
     engine = make_engine()
-    counts = sample_joint(engine, start=0)
-    pvalue = chi_square_pvalue(counts, exact_joint(target, 0))
+    pvalue = lossless_pvalue(engine)
     assert pvalue > ALPHA, f"speculative sampling departs from p (chi-square p = {pvalue:.2e})"
     # the test exercised multi-token acceptance, not only first-draft rejections
     assert engine.target.forwards < SAMPLES * N_NEW * 0.8
@@ -147,32 +151,21 @@ def test_speculative_sampling_matches_target_distribution():
 
 @pytest.mark.parametrize("rule", [AlwaysAcceptRule(), ResampleFromPRule()])
 def test_the_test_has_power_against_wrong_rules(rule):
-    target, _ = tables()
-    counts = sample_joint(make_engine(rule), start=0)
-    pvalue = chi_square_pvalue(counts, exact_joint(target, 0))
+    pvalue = lossless_pvalue(make_engine(rule))
     assert pvalue < ALPHA, f"{type(rule).__name__} went undetected (p = {pvalue:.2e})"
 
 
 def test_deterministic_drafts_are_lossless_under_sampling():
     """Prompt-lookup-style drafts (q one-hot) through the same rule and the same test."""
-    target, _ = tables()
     # Always draft the chain 1, 2, 1 whatever the context: often wrong, sometimes right.
     script = {n: [1, 2, 1] for n in range(1, N_NEW + 2)}
-    engine = SpeculativeEngine(
-        MarkovTarget(target),
-        word_tokenizer(V),
-        ScriptedSpeculator(script),
-        num_draft_tokens=K,
-        adaptive=False,
-    )
-    counts = sample_joint(engine, start=0)
-    pvalue = chi_square_pvalue(counts, exact_joint(target, 0))
+    pvalue = lossless_pvalue(make_engine(speculator=ScriptedSpeculator(script)))
     assert pvalue > ALPHA, f"one-hot drafts depart from p (chi-square p = {pvalue:.2e})"
 
 
 def test_tree_with_sibling_drafts_is_lossless():
     """Two independent draft chains from the same root, verified as one tree."""
-    target, draft = tables()
+    _, draft = tables()
 
     class TwoChains(MarkovSpeculator):
         def propose(self, context, budget):
@@ -184,13 +177,5 @@ def test_tree_with_sibling_drafts_is_lossless():
             probs = torch.cat([a.draft_probs, b.draft_probs[1:]])
             return DraftTree(tokens, parents, probs)
 
-    engine = SpeculativeEngine(
-        MarkovTarget(target),
-        word_tokenizer(V),
-        TwoChains(draft),
-        num_draft_tokens=K,
-        adaptive=False,
-    )
-    counts = sample_joint(engine, start=0)
-    pvalue = chi_square_pvalue(counts, exact_joint(target, 0))
+    pvalue = lossless_pvalue(make_engine(speculator=TwoChains(draft)))
     assert pvalue > ALPHA, f"tree verification departs from p (chi-square p = {pvalue:.2e})"

@@ -23,15 +23,11 @@ class RequestStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     target_forwards: int = 0
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
     drafted_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
 
     def record_step(self, drafted_depth: int, accepted: int) -> None:
         self.target_forwards += 1
-        self.drafted_tokens += drafted_depth
-        self.accepted_tokens += accepted
         while len(self.drafted_at) < drafted_depth:
             self.drafted_at.append(0)
             self.accepted_at.append(0)
@@ -39,6 +35,14 @@ class RequestStats:
             self.drafted_at[i] += 1
         for i in range(accepted):
             self.accepted_at[i] += 1
+
+    @property
+    def drafted_tokens(self) -> int:
+        return sum(self.drafted_at)
+
+    @property
+    def accepted_tokens(self) -> int:
+        return sum(self.accepted_at)
 
     def snapshot(self) -> RequestStats:
         """An independent copy, safe to hand to another thread while decoding goes on."""
