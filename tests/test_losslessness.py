@@ -179,3 +179,69 @@ def test_tree_with_sibling_drafts_is_lossless():
 
     pvalue = lossless_pvalue(make_engine(speculator=TwoChains(draft)))
     assert pvalue > ALPHA, f"tree verification departs from p (chi-square p = {pvalue:.2e})"
+
+
+class RankedTreeSpeculator:
+    """Deterministic Medusa-style trees: depth d's candidates are the draft table's ranking
+    after the root token, rotated by d, laid over a topology that branches at depths 1 and 2."""
+
+    name = "ranked-tree"
+    produces_q = False
+    needs_hidden_states = False
+    drafts_trees = True
+    TOPOLOGY = ((0,), (1,), (0, 0), (0, 1), (1, 0), (1, 1), (0, 0, 0), (0, 0, 1))
+
+    def __init__(self, table: torch.Tensor) -> None:
+        self.table = table
+
+    def propose(self, context, budget):
+        from specdec.tree.topology import tree_from_topology
+
+        root = context.tokens[-1]
+        ranked = torch.argsort(self.table[root], descending=True).tolist()
+        candidates = [ranked[d:] + ranked[:d] for d in range(3)]
+        return tree_from_topology(root, self.TOPOLOGY, candidates, budget)
+
+    def observe(self, feedback):
+        pass
+
+    def reset(self):
+        pass
+
+
+class IgnoreRejectedSiblingsRule(RejectionSamplingRule):
+    """Wrong on purpose: tries deterministic siblings with probability p(x) each but never
+    removes a rejected sibling from p, so drafted tokens are over-represented."""
+
+    lossless = False
+
+    def accept(self, tree, logits, sampling, generator):
+        p_all = probs_from_logits(logits, sampling)
+        node, path = 0, [0]
+        while True:
+            p = p_all[node]
+            nxt = None
+            for child in tree.children[node]:
+                u = float(torch.rand((), generator=generator, dtype=torch.float64))
+                if u < float(p[tree.tokens[child]]):
+                    nxt = child
+                    break
+            if nxt is None:
+                token = sample(p, generator)
+                return Acceptance(tuple(path), (*[tree.tokens[i] for i in path[1:]], token))
+            node = nxt
+            path.append(node)
+
+
+def test_branching_tree_at_several_depths_is_lossless_and_the_test_has_power():
+    """Deterministic trees (q one-hot, distinct siblings) branching at depths 1 and 2, verified
+    by multi-draft rejection sampling, reproduce p; a rule that forgets rejected siblings is
+    caught by the same test."""
+    _, draft = tables()
+    spec = RankedTreeSpeculator(draft)
+    engine = make_engine(speculator=spec)
+    pvalue = lossless_pvalue(engine)
+    assert pvalue > ALPHA, f"tree verification departs from p (chi-square p = {pvalue:.2e})"
+    assert engine.target.forwards < SAMPLES * N_NEW * 0.8  # multi-token acceptance happened
+    wrong = lossless_pvalue(make_engine(rule=IgnoreRejectedSiblingsRule(), speculator=spec))
+    assert wrong < ALPHA, f"a wrong tree rule went undetected (p = {wrong:.2e})"

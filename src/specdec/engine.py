@@ -12,7 +12,8 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from specdec.config import GenerationConfig, SamplingConfig, SpeculationConfig
-from specdec.control import AdaptiveBudget, CostModel, FixedBudget
+from specdec.control import AdaptiveBudget, CostModel, FixedBudget, NodeBudget
+from specdec.errors import ConfigError
 from specdec.events import GenerationResult, TokenEvent
 from specdec.metrics import RequestStats
 from specdec.request import Prompt, check_fits, encode_prompt
@@ -26,7 +27,13 @@ from specdec.speculators import (
 from specdec.target import HFTarget, LoadedModel, Target, load_model
 from specdec.text import IncrementalDetokenizer, StopMatcher
 from specdec.tree import DraftTree
-from specdec.verify import Acceptance, AcceptanceRule, make_generator, rule_for
+from specdec.verify import (
+    Acceptance,
+    AcceptanceRule,
+    TypicalAcceptanceRule,
+    make_generator,
+    rule_for,
+)
 
 
 @dataclass
@@ -39,7 +46,7 @@ class _Request:
     speculator: Speculator
     rule: AcceptanceRule
     generator: torch.Generator
-    budget: AdaptiveBudget | FixedBudget
+    budget: AdaptiveBudget | FixedBudget | NodeBudget
     stats: RequestStats = field(default_factory=RequestStats)
 
     @property
@@ -89,6 +96,14 @@ class SpeculativeEngine:
             eos = tokenizer.eos_token_id
             self.eos_token_ids = frozenset() if eos is None else frozenset({int(eos)})
         self._plain = NoSpeculator()
+        if self.speculator.needs_hidden_states:
+            enable = getattr(target, "enable_features", None)
+            if enable is None:
+                raise ConfigError(
+                    f"the {self.speculator.name} speculator reads the target's hidden states, "
+                    f"which {type(target).__name__} does not provide"
+                )
+            enable()
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -104,15 +119,25 @@ class SpeculativeEngine:
         prompt_lookup_max_ngram: int = 3,
         prompt_lookup_min_ngram: int = 2,
         adaptive: bool = True,
+        medusa: str | None = None,
+        tree: str | None = None,
+        typical_acceptance: bool = False,
     ) -> SpeculativeEngine:
         """Load a target (a local HF directory, a GGUF file, or the bundled default model when
-        both are ``None``) and build the speculator registered under ``method``."""
+        both are ``None``) and build the speculator registered under ``method``.
+
+        ``medusa`` is a Medusa checkpoint directory, ``tree`` its tree topology
+        (``calibrated[:N]``, a preset, or a JSON file). ``typical_acceptance`` switches sampled
+        requests to Medusa's typical acceptance, which is faster but LOSSY (statistics say so).
+        """
         spec = SpeculationConfig(
             method=method,
             num_draft_tokens=num_draft_tokens,
             draft=draft,
             prompt_lookup_max_ngram=prompt_lookup_max_ngram,
             prompt_lookup_min_ngram=prompt_lookup_min_ngram,
+            medusa=medusa,
+            tree=tree,
         )
         loaded = (
             model if isinstance(model, LoadedModel) else load_model(model, gguf=gguf, dtype=dtype)
@@ -125,6 +150,7 @@ class SpeculativeEngine:
             num_draft_tokens=spec.num_draft_tokens,
             loaded=loaded,
             adaptive=adaptive,
+            acceptance_rule=TypicalAcceptanceRule() if typical_acceptance else None,
         )
 
     @property
@@ -187,6 +213,7 @@ class SpeculativeEngine:
             budget=self._budget_policy(config),
         )
         req.stats.prompt_tokens = len(prompt_ids)
+        req.stats.lossless = req.rule.lossless
         req.speculator.reset()
         self.target.begin(prompt_ids)
         req.stats.prefill_seconds = time.perf_counter() - started
@@ -221,7 +248,11 @@ class SpeculativeEngine:
             if finish is not None:
                 return
 
-    def _budget_policy(self, config: GenerationConfig) -> AdaptiveBudget | FixedBudget:
+    def _budget_policy(
+        self, config: GenerationConfig
+    ) -> AdaptiveBudget | FixedBudget | NodeBudget:
+        if self.speculator.drafts_trees:
+            return NodeBudget()  # a tree speculator sizes its own tree
         if not self.adaptive:
             return FixedBudget(self.num_draft_tokens)
         # Sampled output depends on the drafts, so its budget must not depend on timing.
@@ -236,7 +267,10 @@ class SpeculativeEngine:
         budget = 0 if plain else req.budget.choose(req.remaining, room)
         t0 = time.perf_counter()
         if budget > 0:
-            context = DraftContext(req.tokens, req.prompt_len, req.config.sampling, req.generator)
+            features = self.target.features if req.speculator.needs_hidden_states else None
+            context = DraftContext(
+                req.tokens, req.prompt_len, req.config.sampling, req.generator, features
+            )
             tree = req.speculator.propose(context, budget)
         else:
             tree = DraftTree.root_only(root)

@@ -46,3 +46,12 @@ class VocabularyMismatchError(SpecDecError):
 
 class UnknownSpeculatorError(ConfigError):
     """No speculator is registered under the requested name."""
+
+
+class DataError(SpecDecError):
+    """A training data directory or prompt file is missing, empty, malformed, or was made for
+    another target model."""
+
+
+class CheckpointError(SpecDecError):
+    """A trained speculator checkpoint is missing, corrupt, or does not fit the target."""

@@ -23,6 +23,7 @@ class RequestStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     target_forwards: int = 0
+    lossless: bool = True  # False when an opt-in lossy acceptance rule (typical) decided
     drafted_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
 
@@ -74,6 +75,7 @@ class RequestStats:
             "new_tokens": self.new_tokens,
             "seconds": round(self.seconds, 4),
             "tokens_per_s": round(self.tokens_per_s, 3),
+            "lossless": self.lossless,
             "target_forwards": self.target_forwards,
             "mean_accepted": round(self.mean_accepted, 4),
             "acceptance_rate": round(self.acceptance_rate, 4),

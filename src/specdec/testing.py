@@ -51,6 +51,10 @@ class MarkovTarget:
     def commit(self, path: Sequence[int]) -> None:
         pass
 
+    @property
+    def features(self) -> torch.Tensor | None:
+        return None
+
 
 class MarkovSpeculator:
     """Drafts a chain by sampling q(next | last) = softmax(table[last]) shaped like p."""
@@ -58,6 +62,7 @@ class MarkovSpeculator:
     name: ClassVar[str] = "markov"
     produces_q: ClassVar[bool] = True
     needs_hidden_states: ClassVar[bool] = False
+    drafts_trees: ClassVar[bool] = False
 
     def __init__(self, table: torch.Tensor) -> None:
         self.table = table
@@ -88,6 +93,7 @@ class ScriptedSpeculator:
     name: ClassVar[str] = "scripted"
     produces_q: ClassVar[bool] = False
     needs_hidden_states: ClassVar[bool] = False
+    drafts_trees: ClassVar[bool] = False
 
     def __init__(self, script: dict[int, list[int]]) -> None:
         self.script = script

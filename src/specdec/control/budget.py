@@ -36,6 +36,24 @@ class FixedBudget:
         pass
 
 
+@dataclass(frozen=True)
+class NodeBudget:
+    """For tree speculators, which size their own trees: only the context caps the node count.
+    Depth, not node count, decides how many tokens a tree can add, so the remaining-token cap
+    of :class:`FixedBudget` would needlessly prune trees near the end of a request (tokens
+    accepted past the limit are dropped by the engine anyway)."""
+
+    def choose(self, remaining_tokens: int, context_room: int) -> int:
+        """
+        >>> NodeBudget().choose(remaining_tokens=2, context_room=100)
+        99
+        """
+        return max(0, context_room - 1)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        pass
+
+
 def expected_tokens(alphas: list[float], k: int) -> float:
     """Expected tokens committed by a step drafting ``k``: 1 + sum of P(first j all accepted).
 

@@ -20,12 +20,15 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class DraftContext:
     """Everything a speculator may look at: committed tokens (the last one is the tree's root),
-    where the prompt ends, and the request's sampling settings and private RNG."""
+    where the prompt ends, the request's sampling settings and private RNG, and (for
+    speculators that declare ``needs_hidden_states``) the target's final hidden states at the
+    positions that produced the tokens committed last; the last row produced the root."""
 
     tokens: list[int]
     prompt_len: int
     sampling: SamplingConfig
     generator: torch.Generator
+    features: torch.Tensor | None = None  # [M, H]
 
 
 @dataclass(frozen=True)
@@ -40,12 +43,15 @@ class Speculator(Protocol):
     """Proposes a :class:`DraftTree` of at most ``budget`` drafted tokens per step.
 
     Class attributes declare capabilities: ``produces_q`` (drafts carry q for lossless sampling;
-    otherwise they are deterministic, q = one-hot) and ``needs_hidden_states``.
+    otherwise they are deterministic, q = one-hot), ``needs_hidden_states``, and
+    ``drafts_trees`` (the budget counts tree nodes and is fixed at K, instead of a chain length
+    the adaptive budget chooses per step).
     """
 
     name: ClassVar[str]
     produces_q: ClassVar[bool]
     needs_hidden_states: ClassVar[bool]
+    drafts_trees: ClassVar[bool]
 
     def propose(self, context: DraftContext, budget: int) -> DraftTree: ...
 

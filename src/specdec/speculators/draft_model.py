@@ -25,6 +25,7 @@ class DraftModelSpeculator:
     name: ClassVar[str] = "draft"
     produces_q: ClassVar[bool] = True
     needs_hidden_states: ClassVar[bool] = False
+    drafts_trees: ClassVar[bool] = False
 
     def __init__(self, runner: ModelRunner, description: str = "draft model") -> None:
         self.runner = runner

@@ -14,6 +14,7 @@ class NoSpeculator:
     name: ClassVar[str] = "none"
     produces_q: ClassVar[bool] = False
     needs_hidden_states: ClassVar[bool] = False
+    drafts_trees: ClassVar[bool] = False
 
     def propose(self, context: DraftContext, budget: int) -> DraftTree:
         return DraftTree.root_only(context.tokens[-1])

@@ -19,6 +19,7 @@ class PromptLookupSpeculator:
     name: ClassVar[str] = "prompt-lookup"
     produces_q: ClassVar[bool] = False
     needs_hidden_states: ClassVar[bool] = False
+    drafts_trees: ClassVar[bool] = False
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 2) -> None:
         self.sizes = list(range(max_ngram, min_ngram - 1, -1))

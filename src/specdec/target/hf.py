@@ -24,6 +24,13 @@ class Target(Protocol):
 
     def commit(self, path: Sequence[int]) -> None: ...
 
+    @property
+    def features(self) -> torch.Tensor | None:
+        """Final hidden states at the positions that produced the tokens committed by the last
+        ``begin``/``commit`` (the last row produced the next root), or ``None`` when this
+        target does not collect them.  # [M, H]"""
+        ...
+
 
 class HFTarget:
     """A Hugging Face causal LM as target.
@@ -37,6 +44,15 @@ class HFTarget:
         self.runner = ModelRunner(loaded.model)
         self.runner.probe()
         self._start = 0
+        self._features: torch.Tensor | None = None
+
+    def enable_features(self) -> None:
+        """Keep final hidden states from every pass (for Medusa / EAGLE speculators)."""
+        self.runner.output_hidden = True
+
+    @property
+    def features(self) -> torch.Tensor | None:
+        return self._features
 
     @property
     def context_length(self) -> int:
@@ -44,8 +60,10 @@ class HFTarget:
 
     def begin(self, prompt: Sequence[int]) -> None:
         self.runner.reset()
+        self._features = None
         if len(prompt) > 1:
             self.runner.forward(prompt[:-1], logits_to_keep=1)
+            self._features = self.runner.last_hidden  # [T-1, H]
 
     def verify(self, tree: DraftTree) -> torch.Tensor:
         self._start = len(self.runner.cache)
@@ -53,3 +71,5 @@ class HFTarget:
 
     def commit(self, path: Sequence[int]) -> None:
         self.runner.cache.commit(self._start, path)
+        hidden = self.runner.last_hidden
+        self._features = None if hidden is None else hidden[list(path)]  # [len(path), H]

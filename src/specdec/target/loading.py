@@ -59,6 +59,35 @@ class LoadedModel:
             ids.update(int(e) for e in eos)
         return frozenset(ids)
 
+    def identity(self) -> dict[str, Any]:
+        """What a trained speculator records about its target, so that loading it for another
+        model fails loudly: architecture, shapes, and a digest of the token embeddings (which
+        differ between any two distinct checkpoints). The digest is taken after rounding to
+        bfloat16, so the same model loaded with another ``--dtype`` keeps its identity."""
+        cfg = self.model.config
+        weight = self.model.get_input_embeddings().weight
+        assert isinstance(weight, torch.Tensor)
+        emb = weight.detach()
+        bits = emb.to(torch.bfloat16).contiguous().view(torch.int16)
+        digest = hashlib.sha256(bits.numpy().tobytes()).hexdigest()
+        return {
+            "architecture": (getattr(cfg, "architectures", None) or [type(self.model).__name__])[0],
+            "model_type": getattr(cfg, "model_type", ""),
+            "hidden_size": int(cfg.hidden_size),
+            "num_hidden_layers": int(cfg.num_hidden_layers),
+            "vocab_size": int(cfg.vocab_size),
+            "embedding_sha256": digest[:32],
+            "source": Path(self.source).name,
+        }
+
+
+def identity_mismatch(expected: dict[str, Any], actual: dict[str, Any]) -> str | None:
+    """Which recorded identity field differs (``source`` is informational only), or ``None``."""
+    for key, value in expected.items():
+        if key != "source" and key in actual and actual[key] != value:
+            return f"{key} is {actual[key]!r} here but {value!r} in the checkpoint"
+    return None
+
 
 def cache_root() -> Path:
     """``$XDG_CACHE_HOME/specdec`` (``~/.cache/specdec`` by default)."""

@@ -124,3 +124,20 @@ def apply_numerics(model: nn.Module, numerics: Numerics) -> str:
     elif numerics.name == "fp16-weights":
         _swap_linears(model, Fp16WeightLinear)
     return numerics.description
+
+
+@torch.inference_mode()
+def dense_weight(linear: nn.Module) -> torch.Tensor:
+    """The float32 weight ``[out, in]`` of a linear layer, whether a plain ``nn.Linear`` or one
+    of the swapped modules above (whose weight is prepacked and opaque): the layer applied to
+    the identity matrix is its transposed weight plus bias, exactly, in float32."""
+    weight = getattr(linear, "weight", None)
+    if isinstance(weight, torch.Tensor):
+        return weight.detach().float().clone()
+    n_in = int(getattr(linear, "in_features"))  # noqa: B009 - every swapped linear has it
+    eye = torch.eye(n_in, dtype=torch.float32)  # [in, in]
+    y = linear(eye).float()  # [in, out]
+    bias = getattr(linear, "bias", None)
+    if isinstance(bias, torch.Tensor):
+        y = y - bias.float()
+    return y.T.contiguous()

@@ -38,6 +38,8 @@ class ModelRunner:
             )
         self.cache = KVCache(model.config)
         self.dtype = next(model.parameters()).dtype
+        self.output_hidden = False
+        self.last_hidden: torch.Tensor | None = None  # [T, H] of the last forward, when kept
 
     @property
     def context_length(self) -> int:
@@ -59,7 +61,10 @@ class ModelRunner:
         tree_mask: torch.Tensor | None = None,  # [T, T] bool, ancestors of each new token
         logits_to_keep: int = 0,
     ) -> torch.Tensor:
-        """Append ``tokens`` to the cache and return their logits.  # [T or keep, V]"""
+        """Append ``tokens`` to the cache and return their logits.  # [T or keep, V]
+
+        With ``output_hidden`` set, also keeps the final hidden states (the LM head's input) of
+        every token in ``last_hidden``, for feature-level speculators (Medusa, EAGLE)."""
         start = len(self.cache)
         ids = torch.tensor([list(tokens)], dtype=torch.long)  # [1, T]
         if position_ids is None:
@@ -75,9 +80,12 @@ class ModelRunner:
             attention_mask=mask,
             use_cache=True,
             logits_to_keep=logits_to_keep,
+            output_hidden_states=self.output_hidden,
             **{self._cache_kw: self.cache.hf},
         )
         self.cache.appended(tokens)
+        if self.output_hidden:
+            self.last_hidden = out.hidden_states[-1][0]  # [T, H]
         return out.logits[0]
 
     def forward_tree(self, tree: DraftTree) -> torch.Tensor:

@@ -8,12 +8,14 @@ from specdec.verify.rules import (
     rule_for,
 )
 from specdec.verify.sampling import make_generator, probs_from_logits, sample
+from specdec.verify.typical import TypicalAcceptanceRule
 
 __all__ = [
     "Acceptance",
     "AcceptanceRule",
     "GreedyRule",
     "RejectionSamplingRule",
+    "TypicalAcceptanceRule",
     "make_generator",
     "probs_from_logits",
     "rule_for",
