@@ -83,6 +83,8 @@ class SpeculationConfig:
     draft: str | None = None
     prompt_lookup_max_ngram: int = 3
     prompt_lookup_min_ngram: int = 2
+    medusa: str | None = None  # checkpoint directory for method "medusa"
+    tree: str | None = None  # tree topology: calibrated[:N] | preset name | JSON file
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens < 1:

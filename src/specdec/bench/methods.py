@@ -59,16 +59,19 @@ class MethodRunner(Protocol):
 
 
 _HF_VARIANTS = {"hf": "greedy", "hf-prompt-lookup": "prompt-lookup", "hf-assisted": "assisted"}
-_NEEDS_DRAFT = {"draft", "assisted"}
+_NEEDS_DRAFT = {"draft", "assisted", "medusa"}
 
 
-def parse_methods(text: str | Sequence[str], engine_methods: Sequence[str] | None = None
-                  ) -> list[MethodSpec]:
+def parse_methods(
+    text: str | Sequence[str], engine_methods: Sequence[str] | None = None
+) -> list[MethodSpec]:
     """Parse ``none,prompt-lookup,draft:layers:8,hf,hf-prompt-lookup,hf-assisted:layers:8``.
 
     ``NAME:DRAFT`` gives a draft (``layers:N`` or a model directory) to ``draft`` and
-    ``hf-assisted``. The reference ``none`` is put first (added when missing), because every
-    other method is compared with it on the same prompt.
+    ``hf-assisted``, and a checkpoint to ``medusa`` (``medusa:DIR`` or ``medusa:DIR@TREE``
+    with TREE a ``--tree`` value such as ``calibrated:64``). The reference ``none`` is put
+    first (added when missing), because every other method is compared with it on the same
+    prompt.
 
     >>> [m.label for m in parse_methods("hf,prompt-lookup", ["none", "prompt-lookup"])]
     ['none', 'hf', 'prompt-lookup']
@@ -108,8 +111,12 @@ class EngineRunner:
 
     def __init__(self, spec: MethodSpec, loaded: LoadedModel, num_draft_tokens: int) -> None:
         self.spec = spec
+        options: dict[str, Any] = {"draft": spec.draft}
+        if spec.name == "medusa" and spec.draft:
+            path, _, tree = spec.draft.partition("@")
+            options = {"medusa": path, "tree": tree or None}
         self.engine = SpeculativeEngine.from_pretrained(
-            loaded, method=spec.name, draft=spec.draft, num_draft_tokens=num_draft_tokens
+            loaded, method=spec.name, num_draft_tokens=num_draft_tokens, **options
         )
 
     def run(self, prompt_ids: Sequence[int], max_new_tokens: int) -> RunOutput:
@@ -163,7 +170,7 @@ class HFRunner:
                 **self.kwargs,
             )
             seconds = time.perf_counter() - t0
-        new = [int(t) for t in out[0, ids.shape[1]:].tolist()]
+        new = [int(t) for t in out[0, ids.shape[1] :].tolist()]
         for i, t in enumerate(new):
             if t in self.eos:  # our engine stops at EOS and does not emit it
                 return RunOutput(new[:i], seconds, "stop")

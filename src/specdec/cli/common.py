@@ -21,7 +21,29 @@ ModelOpt = Annotated[
 ]
 GgufOpt = Annotated[Path | None, typer.Option("--gguf", help="GGUF file to load as the target.")]
 MethodOpt = Annotated[
-    str, typer.Option("--method", "-m", help="Speculator: none | draft | prompt-lookup.")
+    str,
+    typer.Option("--method", "-m", help="Speculator: none | prompt-lookup | draft | medusa."),
+]
+MedusaOpt = Annotated[
+    str | None,
+    typer.Option("--medusa", help="Medusa checkpoint directory for --method medusa."),
+]
+TreeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--tree",
+        help="Tree topology for tree speculators: calibrated[:NODES] (default, from the "
+        "checkpoint's measured head accuracies), a preset (chain, sparse-8/16/32/64) or a "
+        "JSON file of paths.",
+    ),
+]
+TypicalOpt = Annotated[
+    bool,
+    typer.Option(
+        "--typical",
+        help="Medusa's typical acceptance for sampled requests: faster, but LOSSY (output no "
+        "longer follows the target's distribution exactly). Greedy is unaffected.",
+    ),
 ]
 DraftOpt = Annotated[
     str | None,
@@ -62,19 +84,17 @@ def user_errors() -> Iterator[None]:
         raise typer.Exit(130) from None
 
 
-def load_engine(
-    model: Path | None,
-    gguf: Path | None,
-    method: str,
-    draft: str | None,
-    num_draft_tokens: int,
-    dtype: str,
-    adaptive: bool = True,
-) -> Any:
-    """Build the engine, telling the user about the one-time GGUF conversion."""
+def load_target(model: Path | None, gguf: Path | None, dtype: str) -> Any:
+    """Load the target alone (training, data generation), announcing a one-time conversion."""
+    from specdec.target import load_model
+
+    _announce_conversion(model, gguf)
+    return load_model(model, gguf=gguf, dtype=dtype)
+
+
+def _announce_conversion(model: Path | None, gguf: Path | None) -> None:
     from transformers.utils import logging as hf_logging
 
-    from specdec.engine import SpeculativeEngine
     from specdec.target import loading
 
     hf_logging.set_verbosity_error()
@@ -92,6 +112,22 @@ def load_engine(
         hf_logging.enable_progress_bar()
     else:
         hf_logging.disable_progress_bar()
+
+
+def load_engine(
+    model: Path | None,
+    gguf: Path | None,
+    method: str,
+    draft: str | None,
+    num_draft_tokens: int,
+    dtype: str,
+    adaptive: bool = True,
+    **options: Any,
+) -> Any:
+    """Build the engine, telling the user about the one-time GGUF conversion."""
+    from specdec.engine import SpeculativeEngine
+
+    _announce_conversion(model, gguf)
     return SpeculativeEngine.from_pretrained(
         model,
         gguf=gguf,
@@ -100,6 +136,7 @@ def load_engine(
         num_draft_tokens=num_draft_tokens,
         dtype=dtype,
         adaptive=adaptive,
+        **options,
     )
 
 

@@ -16,8 +16,11 @@ from specdec.cli.common import (
     DtypeOpt,
     GgufOpt,
     KOpt,
+    MedusaOpt,
     MethodOpt,
     ModelOpt,
+    TreeOpt,
+    TypicalOpt,
     err_console,
     load_engine,
     user_errors,
@@ -42,6 +45,9 @@ def generate(
     draft: DraftOpt = None,
     num_draft_tokens: KOpt = 5,
     adaptive: AdaptiveOpt = True,
+    medusa: MedusaOpt = None,
+    tree: TreeOpt = None,
+    typical: TypicalOpt = False,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n")] = 128,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
@@ -66,7 +72,18 @@ def generate(
 ) -> None:
     """Generate text with speculative decoding."""
     with user_errors():
-        engine = load_engine(model, gguf, method, draft, num_draft_tokens, dtype, adaptive)
+        engine = load_engine(
+            model,
+            gguf,
+            method,
+            draft,
+            num_draft_tokens,
+            dtype,
+            adaptive,
+            medusa=medusa,
+            tree=tree,
+            typical_acceptance=typical,
+        )
         use_chat = (
             chat if chat is not None else bool(getattr(engine.tokenizer, "chat_template", None))
         )

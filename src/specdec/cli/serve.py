@@ -13,8 +13,10 @@ from specdec.cli.common import (
     DtypeOpt,
     GgufOpt,
     KOpt,
+    MedusaOpt,
     MethodOpt,
     ModelOpt,
+    TreeOpt,
     err_console,
     load_engine,
     user_errors,
@@ -39,9 +41,12 @@ def serve(
     draft: DraftOpt = None,
     num_draft_tokens: KOpt = 5,
     adaptive: AdaptiveOpt = True,
+    medusa: MedusaOpt = None,
+    tree: TreeOpt = None,
     dtype: DtypeOpt = "float32",
-    host: Annotated[str, typer.Option(help="Interface to listen on (loopback by default).")]
-    = "127.0.0.1",
+    host: Annotated[
+        str, typer.Option(help="Interface to listen on (loopback by default).")
+    ] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
     served_model_name: Annotated[
         str | None,
@@ -75,7 +80,9 @@ def serve(
             max_queue=max_queue,
             request_timeout=request_timeout,
         )
-        engine = load_engine(model, gguf, method, draft, num_draft_tokens, dtype, adaptive)
+        engine = load_engine(
+            model, gguf, method, draft, num_draft_tokens, dtype, adaptive, medusa=medusa, tree=tree
+        )
         app = create_app(engine, config)
     err_console.print(
         f"serving {config.model_name!r} (method {engine.method}) on http://{host}:{port}/v1",

@@ -1,0 +1,115 @@
+"""Medusa: K heads on the target's last hidden state draft a token tree in one shot.
+
+Head k's ranked candidates fill depth k of a static topology (a preset, a JSON file, or one
+calibrated from the checkpoint's held-out per-head accuracies for a node budget). The tree's
+tokens are deterministic (q = one-hot, siblings distinct), so both lossless rules apply:
+greedy tree walk and multi-draft rejection sampling. Drafting costs one small matmul per head
+and no extra target pass: the hidden state comes from the verification pass that just ran.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import ClassVar
+
+import torch
+
+from specdec.config import SpeculationConfig
+from specdec.errors import CheckpointError, ConfigError
+from specdec.heads.medusa import MedusaHeads, load_medusa
+from specdec.speculators.base import DraftContext, Feedback, register
+from specdec.target import LoadedModel
+from specdec.target.loading import identity_mismatch
+from specdec.tree import DraftTree
+from specdec.tree.topology import (
+    Topology,
+    calibrated_topology,
+    generic_profile,
+    load_topology,
+    tree_from_topology,
+)
+
+DEFAULT_TREE_NODES = 32
+
+
+class MedusaSpeculator:
+    name: ClassVar[str] = "medusa"
+    produces_q: ClassVar[bool] = False
+    needs_hidden_states: ClassVar[bool] = True
+    drafts_trees: ClassVar[bool] = True
+
+    def __init__(self, heads: MedusaHeads, topology: Topology) -> None:
+        self.heads = heads.eval()
+        self.topology = topology
+        depth = max(len(p) for p in topology)
+        # how many ranked candidates each depth needs  [depth]
+        self._ranks = [1 + max((p[d] for p in topology if len(p) > d), default=0)
+                       for d in range(depth)]  # fmt: skip
+
+    def reset(self) -> None:
+        pass
+
+    @torch.inference_mode()
+    def propose(self, context: DraftContext, budget: int) -> DraftTree:
+        root = context.tokens[-1]
+        if budget < 1 or context.features is None or len(context.features) == 0:
+            return DraftTree.root_only(root)
+        h = context.features[-1].to(torch.float32)  # [H]
+        logits = self.heads(h)  # [K, V_draft]
+        candidates = []
+        for d, k in enumerate(self._ranks):
+            top = torch.topk(logits[d], k).indices  # [k]
+            candidates.append(self.heads.to_target_ids(top).tolist())
+        return tree_from_topology(root, self.topology, candidates, budget)
+
+    def observe(self, feedback: Feedback) -> None:
+        pass
+
+
+def resolve_topology(spec: str | None, heads: MedusaHeads) -> Topology:
+    """``calibrated[:N]`` (from the checkpoint's measured accuracies), a preset, or a file."""
+    spec = spec or "calibrated"
+    num_heads = heads.config.num_heads
+    m = re.fullmatch(r"calibrated(?::(\d+))?", spec)
+    if m:
+        nodes = int(m.group(1) or DEFAULT_TREE_NODES)
+        accuracy = heads.config.accuracy[:num_heads]
+        if not accuracy:
+            # original-format heads carry no measurements: a generic sparse tree of that size
+            return _generic(nodes, num_heads)
+        return calibrated_topology(accuracy, nodes)
+    return load_topology(spec, num_heads)
+
+
+def _generic(nodes: int, num_heads: int) -> Topology:
+    return calibrated_topology(generic_profile()[:num_heads], nodes)
+
+
+def check_heads_fit(heads: MedusaHeads, target: LoadedModel) -> None:
+    cfg = target.model.config
+    if heads.config.hidden_size != cfg.hidden_size:
+        raise CheckpointError(
+            f"these Medusa heads read hidden states of size {heads.config.hidden_size}, the "
+            f"target's are {cfg.hidden_size}: they were trained for another model"
+        )
+    if heads.config.vocab_size != cfg.vocab_size:
+        raise CheckpointError(
+            f"these Medusa heads predict {heads.config.vocab_size} tokens, the target has "
+            f"{cfg.vocab_size}: they were trained for another model"
+        )
+    if heads.config.target:
+        problem = identity_mismatch(heads.config.target, target.identity())
+        if problem:
+            raise CheckpointError(
+                f"these Medusa heads were trained for another target ({problem}); train heads "
+                "for this model with `specdec train medusa`"
+            )
+
+
+@register("medusa")
+def _build(target: LoadedModel, config: SpeculationConfig) -> MedusaSpeculator:
+    if not config.medusa:
+        raise ConfigError("method 'medusa' needs --medusa DIR (a trained Medusa checkpoint)")
+    heads = load_medusa(config.medusa)
+    check_heads_fit(heads, target)
+    return MedusaSpeculator(heads, resolve_topology(config.tree, heads))

@@ -1,0 +1,23 @@
+"""Training pipelines for speculators: self-distilled data, feature extraction, trainers.
+
+A leaf package: the engine never imports it. Functions here never print; they report progress
+through a tqdm-compatible ``progress`` factory that the CLI supplies.
+"""
+
+from specdec.training.data import (
+    DataManifest,
+    Record,
+    SelfDistilledData,
+    generate_data,
+    load_data,
+    load_prompts,
+)
+
+__all__ = [
+    "DataManifest",
+    "Record",
+    "SelfDistilledData",
+    "generate_data",
+    "load_data",
+    "load_prompts",
+]

@@ -1,0 +1,401 @@
+"""Medusa-1 training: frozen target, heads learn the target's own future tokens.
+
+Head k (0-based) at position t is trained to predict token t + k + 2 of the self-distilled
+sequence (the target's LM head predicts t + 1), on response positions only: that is the text
+the heads will draft at serving time. The target's hidden states are extracted once and cached
+next to the checkpoint (float16), so epochs cost only the heads' own compute. Loss weights decay
+with the head index (0.8^k, as in the Medusa paper): later heads are less accurate and matter
+less, since their nodes are only reached when earlier ones were accepted.
+
+The held-out evaluation measures, per head, the probability that its rank-r candidate is the
+right token; the checkpoint stores these figures and ``--tree calibrated`` builds the node
+budget's best tree from them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from specdec.errors import CheckpointError, ConfigError, DataError
+from specdec.heads.medusa import MedusaConfig, MedusaHeads
+from specdec.target.loading import LoadedModel
+from specdec.target.numerics import dense_weight
+from specdec.training.data import Record, SelfDistilledData
+from specdec.training.progress import NullBar, ProgressFactory
+
+IGNORE = -100
+CHECKPOINT = "training_state.pt"
+
+
+@dataclass(frozen=True)
+class MedusaTrainConfig:
+    num_heads: int = 4
+    num_layers: int = 1
+    draft_vocab: int = 8192  # 0 = the full vocabulary
+    epochs: float = 4.0
+    max_steps: int | None = None
+    lr: float = 1e-3
+    batch_positions: int = 256
+    held_out: float = 0.05
+    eval_every: int = 200
+    checkpoint_every: int = 200
+    head_decay: float = 0.8
+    seed: int = 0
+    eval_ranks: int = 10
+
+    def __post_init__(self) -> None:
+        if self.num_heads < 1 or self.num_heads > 16:
+            raise ConfigError(f"--heads must be in 1..16, got {self.num_heads}")
+        if self.num_layers < 0:
+            raise ConfigError(f"--layers must be >= 0, got {self.num_layers}")
+        if self.draft_vocab < 0:
+            raise ConfigError(f"--draft-vocab must be >= 0 (0 = full), got {self.draft_vocab}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ConfigError(f"--max-steps must be >= 1, got {self.max_steps}")
+        if self.epochs <= 0 or self.lr <= 0 or self.batch_positions < 1:
+            raise ConfigError("epochs, lr and batch size must be positive")
+        if not 0.0 <= self.held_out < 1.0:
+            raise ConfigError(f"held-out fraction must be in [0, 1), got {self.held_out}")
+
+
+@dataclass
+class MedusaTrainResult:
+    out_dir: Path
+    steps: int
+    train_positions: int
+    held_out_positions: int
+    draft_vocab_coverage: float
+    accuracy: list[list[float]]  # [K, ranks]: P(rank-r candidate of head k is right)
+    seconds: float
+    feature_seconds: float
+    history: list[dict[str, float]] = field(default_factory=list)
+
+    @property
+    def top1(self) -> list[float]:
+        return [row[0] for row in self.accuracy]
+
+
+@dataclass
+class Features:
+    """Target hidden states at response positions and each head's label there."""
+
+    hidden: torch.Tensor  # [P, H] float16
+    labels: torch.Tensor  # [P, K] int64 target token ids (IGNORE past the end)
+    target_agreement: float  # fraction of positions where the target's argmax is the next token
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+def _fingerprint(records: Sequence[Record], identity: dict[str, Any], num_heads: int) -> str:
+    h = hashlib.sha256(json.dumps(identity, sort_keys=True).encode())
+    h.update(str(num_heads).encode())
+    for r in records:
+        h.update(f"{r.index}:{r.prompt_len}:{len(r.tokens)};".encode())
+        h.update(torch.tensor(r.tokens, dtype=torch.int32).numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
+@torch.inference_mode()
+def extract_features(
+    loaded: LoadedModel,
+    records: Sequence[Record],
+    num_heads: int,
+    cache_file: Path | None = None,
+    progress: ProgressFactory = NullBar,
+    desc: str = "target features",
+) -> Features:
+    """One target pass per sequence; cached in ``cache_file`` keyed by data and target."""
+    key = _fingerprint(records, loaded.identity(), num_heads)
+    if cache_file is not None and cache_file.is_file():
+        try:
+            from safetensors import safe_open
+
+            with safe_open(str(cache_file), framework="pt") as f:
+                meta = f.metadata() or {}
+            if meta.get("key") == key:
+                t = load_file(str(cache_file))
+                return Features(t["hidden"], t["labels"], float(meta["target_agreement"]))
+        except (SafetensorError, OSError, ValueError, KeyError):
+            pass  # a stale or broken cache is rebuilt
+    model = loaded.model
+    hidden_rows: list[torch.Tensor] = []
+    label_rows: list[torch.Tensor] = []
+    agree = total = 0
+    bar = progress(total=len(records), desc=desc, unit="seq")
+    try:
+        for r in records:
+            n = len(r.tokens)
+            start = max(r.prompt_len - 1, 0)
+            if n - start < 2:
+                bar.update(1)
+                continue
+            ids = torch.tensor([r.tokens], dtype=torch.long)  # [1, T]
+            out = model(input_ids=ids, output_hidden_states=True, logits_to_keep=n - start)
+            h = out.hidden_states[-1][0, start : n - 1]  # [P, H]
+            pred = out.logits[0, : n - 1 - start].argmax(-1)  # [P]
+            tokens = torch.tensor(r.tokens, dtype=torch.long)  # [T]
+            agree += int((pred == tokens[start + 1 : n]).sum())
+            total += n - 1 - start
+            pos = torch.arange(start, n - 1)  # [P]
+            labels = torch.full((len(pos), num_heads), IGNORE, dtype=torch.long)  # [P, K]
+            for k in range(num_heads):
+                tgt = pos + k + 2
+                ok = tgt < n
+                labels[ok, k] = tokens[tgt[ok]]
+            hidden_rows.append(h.to(torch.float16))
+            label_rows.append(labels)
+            bar.update(1)
+    finally:
+        bar.close()
+    if not hidden_rows:
+        raise DataError("no sequence has a response to learn from")
+    feats = Features(torch.cat(hidden_rows), torch.cat(label_rows), agree / max(total, 1))
+    if cache_file is not None:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_suffix(".tmp")
+        save_file(
+            {"hidden": feats.hidden.contiguous(), "labels": feats.labels.contiguous()},
+            str(tmp),
+            metadata={"key": key, "target_agreement": str(feats.target_agreement)},
+        )
+        os.replace(tmp, cache_file)
+    return feats
+
+
+def draft_vocabulary(records: Sequence[Record], size: int, vocab_size: int) -> torch.Tensor:
+    """The ``size`` most frequent response tokens (ties by id), most frequent first.
+
+    >>> recs = [Record((9, 1, 2, 2, 3, 2), prompt_len=1, index=0)]
+    >>> draft_vocabulary(recs, 2, 10).tolist()
+    [2, 1]
+    """
+    counts: Counter[int] = Counter()
+    for r in records:
+        counts.update(r.response)
+    ranked = sorted(counts, key=lambda t: (-counts[t], t))[:size]
+    if len(ranked) < size:  # pad with unseen ids so the head keeps its configured size
+        seen = set(ranked)
+        ranked += [t for t in range(vocab_size) if t not in seen][: size - len(ranked)]
+    return torch.tensor(ranked, dtype=torch.long)
+
+
+def head_accuracy(
+    heads: MedusaHeads, feats: Features, ranks: int, batch: int = 1024
+) -> list[list[float]]:
+    """``acc[k][r]``: fraction of positions where head k's rank-r candidate is the label
+    (labels outside the draft vocabulary count as misses)."""
+    k_heads = heads.config.num_heads
+    hits = torch.zeros(k_heads, ranks)
+    counted = torch.zeros(k_heads)
+    with torch.inference_mode():
+        for i in range(0, len(feats), batch):
+            h = feats.hidden[i : i + batch].float()  # [B, H]
+            labels = feats.labels[i : i + batch]  # [B, K]
+            top = torch.topk(heads(h), ranks, dim=-1).indices  # [B, K, R]
+            top = heads.to_target_ids(top)
+            valid = labels != IGNORE  # [B, K]
+            match = (top == labels[..., None]) & valid[..., None]  # [B, K, R]
+            hits += match.sum(0).float()
+            counted += valid.sum(0).float()
+    return (hits / counted.clamp_min(1)[:, None]).tolist()
+
+
+def train_medusa(
+    loaded: LoadedModel,
+    data: SelfDistilledData,
+    out_dir: str | os.PathLike[str],
+    config: MedusaTrainConfig = MedusaTrainConfig(),
+    *,
+    resume: bool = False,
+    progress: ProgressFactory = NullBar,
+    log: Any = None,
+) -> MedusaTrainResult:
+    """Train Medusa-1 heads for ``loaded`` on ``data`` and save them in ``out_dir``."""
+    started = time.perf_counter()
+    data.check_target(loaded)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(config.seed)
+    train_recs, eval_recs = data.split(config.held_out, config.seed)
+    t0 = time.perf_counter()
+    train = extract_features(
+        loaded, train_recs, config.num_heads, out / "features-train.safetensors", progress
+    )
+    held = (
+        extract_features(
+            loaded,
+            eval_recs,
+            config.num_heads,
+            out / "features-heldout.safetensors",
+            progress,
+            "held-out features",
+        )
+        if eval_recs
+        else train
+    )
+    feature_seconds = time.perf_counter() - t0
+    cfg = loaded.model.config
+    vocab = int(cfg.vocab_size)
+    token_map = None
+    if config.draft_vocab and config.draft_vocab < vocab:
+        token_map = draft_vocabulary(train_recs, config.draft_vocab, vocab)
+    mconfig = MedusaConfig(
+        hidden_size=int(cfg.hidden_size),
+        vocab_size=vocab,
+        num_heads=config.num_heads,
+        num_layers=config.num_layers,
+        draft_vocab_size=None if token_map is None else len(token_map),
+        target=loaded.identity(),
+    )
+    heads = MedusaHeads(mconfig, token_map)
+    heads.init_from_lm_head(dense_weight(loaded.model.get_output_embeddings()))
+    to_draft = torch.full((vocab,), IGNORE, dtype=torch.long)  # target id -> draft id  [V]
+    if token_map is None:
+        to_draft = torch.arange(vocab)
+    else:
+        to_draft[token_map] = torch.arange(len(token_map))
+    valid = train.labels != IGNORE
+    coverage = float((to_draft[train.labels.clamp_min(0)] != IGNORE)[valid].float().mean())
+    opt = torch.optim.AdamW(heads.parameters(), lr=config.lr, weight_decay=0.0)
+    steps_per_epoch = max(1, len(train) // config.batch_positions)
+    total_steps = config.max_steps or max(1, round(config.epochs * steps_per_epoch))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - s / total_steps)
+    )
+    step = 0
+    history: list[dict[str, float]] = []
+    state_path = out / CHECKPOINT
+    if resume and state_path.is_file():
+        step, history = _load_state(state_path, heads, opt, sched)
+    weights = torch.tensor([config.head_decay**k for k in range(config.num_heads)])  # [K]
+    rng = random.Random(config.seed * 7919 + step)
+    order: list[int] = []
+    bar = progress(total=total_steps, initial=step, desc="training medusa", unit="step")
+    heads.train()
+    try:
+        while step < total_steps:
+            if len(order) < config.batch_positions:
+                fresh = list(range(len(train)))
+                rng.shuffle(fresh)
+                order += fresh
+            idx = torch.tensor(order[: config.batch_positions])
+            del order[: config.batch_positions]
+            h = train.hidden[idx].float()  # [B, H]
+            labels = to_draft[train.labels[idx].clamp_min(0)]  # [B, K]
+            labels[train.labels[idx] == IGNORE] = IGNORE
+            logits = heads(h)  # [B, K, V_draft]
+            losses = torch.stack(
+                [
+                    F.cross_entropy(logits[:, k], labels[:, k], ignore_index=IGNORE)
+                    if bool((labels[:, k] != IGNORE).any())
+                    else logits.new_zeros(())
+                    for k in range(config.num_heads)
+                ]
+            )  # [K]
+            loss = (weights * losses).sum()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            step += 1
+            loss_value = float(loss.detach())
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss_value:.3f}")
+            if step % config.eval_every == 0 or step == total_steps:
+                heads.eval()
+                acc = head_accuracy(heads, held, 1)
+                heads.train()
+                entry = {"step": float(step), "loss": loss_value}
+                entry.update({f"top1_head{k + 1}": a[0] for k, a in enumerate(acc)})
+                history.append(entry)
+                if log is not None:
+                    top1 = " ".join(f"{a[0]:.3f}" for a in acc)
+                    log(f"step {step}: loss {loss_value:.3f}, held-out top-1 per head {top1}")
+            if step % config.checkpoint_every == 0 and step < total_steps:
+                _save_state(state_path, heads, opt, sched, step, history)
+    finally:
+        bar.close()
+    heads.eval()
+    accuracy = head_accuracy(heads, held, config.eval_ranks)
+    heads.config = MedusaConfig(**{**asdict(mconfig), "accuracy": accuracy})
+    seconds = time.perf_counter() - started
+    heads.save(
+        out,
+        extra={
+            "training": {
+                "data": str(Path(data.manifest.prompts_file).name),
+                "records": len(data.records),
+                "train_positions": len(train),
+                "held_out_positions": len(held),
+                "steps": step,
+                "config": asdict(config),
+                "draft_vocab_coverage": round(coverage, 4),
+                "target_agreement_on_data": round(train.target_agreement, 4),
+                "seconds": round(seconds, 1),
+            }
+        },
+    )
+    state_path.unlink(missing_ok=True)
+    return MedusaTrainResult(
+        out_dir=out,
+        steps=step,
+        train_positions=len(train),
+        held_out_positions=len(held),
+        draft_vocab_coverage=coverage,
+        accuracy=accuracy,
+        seconds=seconds,
+        feature_seconds=feature_seconds,
+        history=history,
+    )
+
+
+def _save_state(
+    path: Path,
+    heads: MedusaHeads,
+    opt: torch.optim.Optimizer,
+    sched: Any,
+    step: int,
+    history: list[dict[str, float]],
+) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(
+        {
+            "heads": heads.state_dict(),
+            "optimizer": opt.state_dict(),
+            "scheduler": sched.state_dict(),
+            "step": step,
+            "history": history,
+        },
+        tmp,
+    )
+    os.replace(tmp, path)
+
+
+def _load_state(
+    path: Path, heads: MedusaHeads, opt: torch.optim.Optimizer, sched: Any
+) -> tuple[int, list[dict[str, float]]]:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        heads.load_state_dict(state["heads"])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        return int(state["step"]), list(state["history"])
+    except Exception as e:
+        raise CheckpointError(
+            f"cannot resume from {path} ({type(e).__name__}: {e}); delete it to start over"
+        ) from e

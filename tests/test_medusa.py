@@ -1,0 +1,291 @@
+"""Self-distilled data, Medusa heads (training, checkpoints, tree drafting), tree topologies,
+typical acceptance, and the target's hidden-state features — on tiny random-weight models."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from specdec import SpeculativeEngine
+from specdec.config import GenerationConfig, SamplingConfig
+from specdec.errors import CheckpointError, ConfigError, DataError
+from specdec.heads.medusa import MedusaConfig, MedusaHeads, load_medusa
+from specdec.target import HFTarget, ModelRunner, load_model
+from specdec.training.data import generate_data, load_data, load_prompts, prompt_order
+from specdec.training.medusa import MedusaTrainConfig, train_medusa
+from specdec.tree import DraftTree
+from specdec.tree.topology import (
+    calibrated_topology,
+    expected_accepted,
+    load_topology,
+    preset_names,
+    tree_from_topology,
+    validate_topology,
+)
+from specdec.verify import TypicalAcceptanceRule
+
+PROMPTS = [
+    "ROMEO: But soft, what light through yonder window breaks?",
+    "JULIET: O Romeo, Romeo! wherefore art thou Romeo?",
+    "Tell me about the king and the queen.",
+    "What news from the court today?",
+    "Speak of love and war.",
+    "Where is the prince tonight?",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir: Path):
+    return load_model(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    p = tmp_path_factory.mktemp("prompts") / "train.jsonl"
+    p.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in PROMPTS))
+    return p
+
+
+@pytest.fixture(scope="module")
+def data_dir(tiny, prompt_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("sd")
+    generate_data(tiny, prompt_file, out, max_new_tokens=24, batch_size=4, shard_size=4)
+    return out
+
+
+@pytest.fixture(scope="module")
+def medusa_dir(tiny, data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("medusa")
+    cfg = MedusaTrainConfig(
+        num_heads=3,
+        draft_vocab=96,
+        max_steps=150,
+        batch_positions=32,
+        lr=1e-2,
+        eval_every=50,
+        held_out=0.0,  # six prompts of a random model: measure on what it learnt
+    )
+    train_medusa(tiny, load_data(data_dir, tiny), out, cfg)
+    return out
+
+
+# -- self-distilled data ------------------------------------------------------------------------
+def test_data_is_the_targets_own_greedy_output(tiny, data_dir: Path):
+    data = load_data(data_dir, tiny)
+    assert len(data.records) == len(PROMPTS)
+    assert sorted(r.index for r in data.records) == list(range(len(PROMPTS)))
+    # stored in the seeded order, whatever the batching did
+    assert [r.index for r in data.records] == prompt_order(len(PROMPTS), 0)
+    engine = SpeculativeEngine.from_pretrained(tiny)
+    for r in data.records[:3]:
+        ids = []
+        for ev in engine.stream_ids(
+            list(r.tokens[: r.prompt_len]), GenerationConfig(24), speculate=False
+        ):
+            ids.extend(ev.token_ids)
+        response = list(r.response)
+        if response and response[-1] in tiny.eos_token_ids:
+            response = response[:-1]
+        assert ids == response
+
+
+def test_data_generation_resumes_and_refuses_other_settings(tiny, prompt_file, tmp_path):
+    out = tmp_path / "sd"
+    m1 = generate_data(tiny, prompt_file, out, max_new_tokens=8, limit=4, shard_size=2)
+    assert m1.records == 4 and len(m1.shards) == 2
+    first = (out / m1.shards[0]).stat().st_mtime_ns
+    (out / m1.shards[1]).unlink()  # an interrupted run lost its last shard
+    m2 = generate_data(tiny, prompt_file, out, max_new_tokens=8, limit=6, shard_size=2)
+    assert m2.records == 6 and len(m2.shards) == 3
+    assert (out / m1.shards[0]).stat().st_mtime_ns == first  # finished shards are kept
+    with pytest.raises(DataError, match="other settings"):
+        generate_data(tiny, prompt_file, out, max_new_tokens=9, shard_size=2)
+
+
+def test_data_errors(tiny, prompt_file, data_dir, tmp_path, tiny_draft_dir):
+    with pytest.raises(DataError, match="does not exist"):
+        load_data(tmp_path / "nope")
+    with pytest.raises(DataError, match="no manifest"):
+        load_data(tmp_path)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"prompt": \n')
+    with pytest.raises(DataError, match=r"bad.jsonl:2"):
+        load_prompts(bad)
+    evaldir = tmp_path / "eval"
+    evaldir.mkdir()
+    (evaldir / "q.jsonl").write_text(json.dumps({"prompt": "x"}) + "\n")
+    with pytest.raises(DataError, match="evaluation set"):
+        generate_data(tiny, evaldir / "q.jsonl", tmp_path / "o")
+    other = load_model(tiny_draft_dir)
+    with pytest.raises(DataError, match="another target"):
+        load_data(data_dir, other)
+    # a truncated shard is named, not a crash
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in data_dir.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    shard = sorted(broken.glob("shard-*"))[0]
+    shard.write_bytes(shard.read_bytes()[:50])
+    with pytest.raises(DataError, match="truncated or corrupt"):
+        load_data(broken)
+
+
+# -- topologies --------------------------------------------------------------------------------
+def test_calibrated_topology_is_greedy_optimal_on_a_worked_example():
+    acc = [[0.6, 0.3], [0.5, 0.2]]
+    top = calibrated_topology(acc, 4)
+    # values: (0,) .6, (0,0) .3, (1,) .3, (0,1) .12, (1,0) .15
+    assert top[:2] == ((0,), (0, 0)) and set(top[2:]) == {(1,), (1, 0)}
+    assert expected_accepted(top, acc) == pytest.approx(0.6 + 0.3 + 0.3 + 0.15)
+    for name in preset_names():
+        validate_topology(load_topology(name, 4))
+
+
+def test_topology_errors(tmp_path):
+    with pytest.raises(ConfigError, match="before its parent"):
+        validate_topology([[0, 0], [0]])
+    with pytest.raises(ConfigError, match="only 2 heads"):
+        load_topology("sparse-64", 2)
+    f = tmp_path / "t.json"
+    f.write_text("[[0], [1], [0, 0]]")
+    assert load_topology(str(f), 2) == ((0,), (1,), (0, 0))
+    with pytest.raises(ConfigError, match="unknown tree"):
+        load_topology("no-such-tree", 4)
+
+
+def test_tree_from_topology_truncates_to_a_valid_prefix():
+    top = ((0,), (1,), (0, 0), (1, 0), (0, 0, 0))
+    t = tree_from_topology(7, top, [[1, 2], [3, 4], [5]], budget=3)
+    assert t.tokens == (7, 1, 2, 3) and t.parents == (-1, 0, 0, 1)
+
+
+# -- heads and checkpoints ---------------------------------------------------------------------
+def test_medusa_training_learns_and_records_accuracy(medusa_dir: Path):
+    cfg = json.loads((medusa_dir / "config.json").read_text())
+    assert cfg["specdec_model_type"] == "medusa" and cfg["num_heads"] == 3
+    assert len(cfg["accuracy"]) == 3 and len(cfg["accuracy"][0]) == 10
+    # six memorisable sequences: the heads must learn them (untrained: about 0.1)
+    assert min(a[0] for a in cfg["accuracy"]) > 0.8
+    heads = load_medusa(medusa_dir)
+    distinct = {id(h) for h in heads.heads} | {id(b) for h in heads.heads for b in h.blocks}
+    assert len(distinct) == 3 + 3  # independent modules, no shared block
+    assert heads.heads[0].proj.weight.data_ptr() != heads.heads[1].proj.weight.data_ptr()
+
+
+def test_original_medusa_format_loads_with_the_same_outputs(tmp_path):
+    cfg = MedusaConfig(hidden_size=8, vocab_size=20, num_heads=2, num_layers=1)
+    torch.manual_seed(0)
+    heads = MedusaHeads(cfg)
+    for p in heads.parameters():
+        p.data.normal_()
+    raw = {}
+    for i, head in enumerate(heads.heads):
+        raw[f"{i}.0.linear.weight"] = head.blocks[0].linear.weight.data
+        raw[f"{i}.0.linear.bias"] = head.blocks[0].linear.bias.data
+        raw[f"{i}.1.weight"] = head.proj.weight.data
+    save_file(raw, str(tmp_path / "medusa_lm_head.safetensors"))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"medusa_num_heads": 2, "medusa_num_layers": 1, "base_model_name_or_path": "x"})
+    )
+    loaded = load_medusa(tmp_path)
+    h = torch.randn(3, 8)
+    torch.testing.assert_close(loaded(h), heads(h))
+
+
+def test_checkpoint_errors(tiny, medusa_dir: Path, tmp_path, tiny_draft_dir):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_medusa(tmp_path / "none")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((medusa_dir / "config.json").read_text())
+    (broken / "medusa.safetensors").write_bytes(
+        (medusa_dir / "medusa.safetensors").read_bytes()[:99]
+    )
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        load_medusa(broken)
+    with pytest.raises(CheckpointError, match="another"):
+        SpeculativeEngine.from_pretrained(tiny_draft_dir, method="medusa", medusa=str(medusa_dir))
+    with pytest.raises(ConfigError, match="only 3 heads"):
+        SpeculativeEngine.from_pretrained(
+            tiny, method="medusa", medusa=str(medusa_dir), tree="sparse-64"
+        )
+    with pytest.raises(ConfigError, match="needs --medusa"):
+        SpeculativeEngine.from_pretrained(tiny, method="medusa")
+
+
+# -- decoding with Medusa trees ------------------------------------------------------------------
+@pytest.mark.parametrize("tree", ["calibrated:12", "calibrated:2", "chain-file"])
+def test_medusa_greedy_equals_plain_decoding(tiny, medusa_dir: Path, tree: str, tmp_path):
+    """Greedy output equals plain greedy decoding on the same target. Both decode in float32:
+    every argmax compared comes from the same kind of pass, and the tiny model's large init
+    keeps ties out (see conftest), so this is exact equality."""
+    if tree == "chain-file":
+        tree = str(tmp_path / "chain.json")
+        Path(tree).write_text("[[0], [0, 0], [0, 0, 0]]")
+    engine = SpeculativeEngine.from_pretrained(
+        tiny, method="medusa", medusa=str(medusa_dir), tree=tree
+    )
+    for prompt in PROMPTS[:3]:
+        plain = engine.generate(prompt, max_new_tokens=40, ignore_eos=True, speculate=False)
+        spec = engine.generate(prompt, max_new_tokens=40, ignore_eos=True)
+        assert spec.token_ids == plain.token_ids
+        assert spec.stats.target_forwards <= plain.stats.target_forwards
+    assert spec.stats.drafted_tokens > 0
+
+
+def test_medusa_accepts_on_training_prompts(tiny, medusa_dir: Path):
+    """On the prompts it was trained on, the heads draft tokens that get accepted (tau > 1)."""
+    engine = SpeculativeEngine.from_pretrained(tiny, method="medusa", medusa=str(medusa_dir))
+    res = engine.generate(PROMPTS[0], max_new_tokens=24, chat=True)
+    assert res.stats.mean_accepted > 1.0
+
+
+def test_medusa_sampling_is_seeded_and_lossless_flagged(tiny, medusa_dir: Path):
+    engine = SpeculativeEngine.from_pretrained(tiny, method="medusa", medusa=str(medusa_dir))
+    a = engine.generate(PROMPTS[1], max_new_tokens=20, temperature=0.9, seed=3)
+    b = engine.generate(PROMPTS[1], max_new_tokens=20, temperature=0.9, seed=3)
+    assert a.token_ids == b.token_ids and a.stats.lossless
+    typical = SpeculativeEngine.from_pretrained(
+        tiny, method="medusa", medusa=str(medusa_dir), typical_acceptance=True
+    )
+    c = typical.generate(PROMPTS[1], max_new_tokens=20, temperature=0.9, seed=3)
+    assert not c.stats.lossless and c.stats.to_dict()["lossless"] is False
+    assert typical.generate(PROMPTS[1], max_new_tokens=5).stats.lossless is False
+
+
+# -- hidden-state features -----------------------------------------------------------------------
+def test_features_are_the_final_hidden_states_of_the_committed_positions(tiny):
+    target = HFTarget(tiny)
+    target.enable_features()
+    prompt = [5, 17, 42, 8, 9]
+    target.begin(prompt)
+    ref = tiny.model(input_ids=torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1][
+        0
+    ]
+    torch.testing.assert_close(target.features, ref[:-1], atol=1e-4, rtol=1e-4)
+    tree = DraftTree(tokens=(9, 30, 31, 32), parents=(-1, 0, 0, 2))
+    target.verify(tree)
+    target.commit([0, 2, 3])  # keep 9, 31, 32
+    seq = prompt + [31, 32]
+    ref = tiny.model(input_ids=torch.tensor([seq]), output_hidden_states=True).hidden_states[-1][0]
+    torch.testing.assert_close(target.features, ref[-3:], atol=1e-4, rtol=1e-4)
+    assert len(ModelRunner(tiny.model).cache) == 0
+
+
+# -- typical acceptance ----------------------------------------------------------------------
+def test_typical_acceptance_worked_example():
+    rule = TypicalAcceptanceRule(epsilon=0.09, alpha=0.3)
+    assert not rule.lossless
+    # p at the root: token 1 has 0.5 (typical), token 2 has 0.02 (not)
+    logits = torch.log(torch.tensor([[0.48, 0.5, 0.02], [0.4, 0.3, 0.3], [0.4, 0.3, 0.3]]))
+    tree = DraftTree(tokens=(0, 2, 1), parents=(-1, 0, 0))
+    acc = rule.accept(
+        tree, logits, SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0)
+    )
+    assert acc.path == (0, 2) and acc.tokens[0] == 1
+    with pytest.raises(ConfigError):
+        TypicalAcceptanceRule(epsilon=0.0)
