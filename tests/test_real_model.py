@@ -160,3 +160,52 @@ def test_cli_json_compare(smol_dir):
     assert out["identical"] is True
     assert out["speedup"] > 0 and out["stats"]["mean_accepted"] >= 1.0
     assert out["baseline"]["mean_accepted"] == 1.0
+
+
+TRAIN_PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "train" / "mix"
+
+
+@pytest.fixture(scope="module")
+def smol_medusa(smol, tmp_path_factory) -> Path:
+    """Medusa heads trained for a minute on the model's own answers to training prompts (never
+    the eval prompts above): weak, but real heads on the real model."""
+    from specdec.training.data import generate_data, load_data
+    from specdec.training.medusa import MedusaTrainConfig, train_medusa
+
+    prompts = TRAIN_PROMPTS / "prompts_mix.jsonl"
+    if not prompts.is_file():
+        prompts = tmp_path_factory.mktemp("p") / "prompts.jsonl"
+        prompts.write_text(
+            "".join(json.dumps({"prompt": p}) + "\n" for p in ["Hi!", "Name a color.", "2+2?"])
+        )
+    data_dir = tmp_path_factory.mktemp("sd")
+    generate_data(smol, prompts, data_dir, max_new_tokens=32, limit=8, batch_size=8)
+    out = tmp_path_factory.mktemp("medusa")
+    config = MedusaTrainConfig(
+        num_heads=3, draft_vocab=2048, max_steps=40, batch_positions=64, held_out=0.0
+    )
+    train_medusa(smol, load_data(data_dir, smol), out, config)
+    return out
+
+
+@pytest.mark.parametrize("tree", ["calibrated:16", "sparse-8"])
+def test_medusa_trees_greedy_equivalence_on_real_prompts(
+    smol, smol_dir, plain_outputs, smol_medusa, tree
+):
+    engine = SpeculativeEngine.from_pretrained(
+        smol, method="medusa", medusa=str(smol_medusa), tree=tree
+    )
+    drafted = 0
+    for prompt in PROMPTS[::2]:
+        plain = plain_outputs[prompt]
+        spec = engine.generate(prompt, chat=True, max_new_tokens=24)
+        drafted += spec.stats.drafted_tokens
+        pos = first_difference(spec.token_ids, plain)
+        if pos is not None:
+            prefix = engine.encode(prompt, chat=True) + plain[:pos]
+            margin = top2_margin_float64(smol_dir, prefix)
+            assert margin < 1e-3, (
+                f"medusa {tree} differs at token {pos} of {prompt[:40]!r}, "
+                f"not an fp tie (margin {margin:.4f})"
+            )
+    assert drafted > 0

@@ -248,9 +248,7 @@ class SpeculativeEngine:
             if finish is not None:
                 return
 
-    def _budget_policy(
-        self, config: GenerationConfig
-    ) -> AdaptiveBudget | FixedBudget | NodeBudget:
+    def _budget_policy(self, config: GenerationConfig) -> AdaptiveBudget | FixedBudget | NodeBudget:
         if self.speculator.drafts_trees:
             return NodeBudget()  # a tree speculator sizes its own tree
         if not self.adaptive:

@@ -92,9 +92,12 @@ def parse_methods(
         else:
             raise UnknownMethodError(f"unknown method {item!r}; known: {known}")
         if spec.name in _NEEDS_DRAFT and not spec.draft:
-            raise UnknownMethodError(
-                f"method {item!r} needs a draft: write {base}:layers:N or {base}:/path/to/draft"
+            hint = (
+                f"{base}:/path/to/checkpoint"
+                if spec.name == "medusa"
+                else f"{base}:layers:N or {base}:/path/to/draft"
             )
+            raise UnknownMethodError(f"method {item!r} needs a draft: write {hint}")
         if spec.name not in _NEEDS_DRAFT and spec.draft:
             raise UnknownMethodError(f"method {base!r} takes no draft (got {item!r})")
         if any(s.label == item for s in specs):

@@ -24,12 +24,16 @@ from specdec.tree import DraftTree
 from specdec.tree.topology import (
     Topology,
     calibrated_topology,
+    expected_accepted,
     generic_profile,
     load_topology,
     tree_from_topology,
 )
 
-DEFAULT_TREE_NODES = 32
+MAX_TREE_NODES = 64
+# Verification cost of an n-node tree relative to one decode step, T(n)/T(1) ~ 1 + slope * n,
+# fitted on this CPU (fp32 oneDNN path; bench/tree_cost.py measures it on yours).
+TREE_COST_SLOPE = 0.04
 
 
 class MedusaSpeculator:
@@ -67,22 +71,35 @@ class MedusaSpeculator:
 
 
 def resolve_topology(spec: str | None, heads: MedusaHeads) -> Topology:
-    """``calibrated[:N]`` (from the checkpoint's measured accuracies), a preset, or a file."""
+    """``calibrated[:N]`` (from the checkpoint's measured accuracies), a preset, or a file.
+
+    Plain ``calibrated`` also picks the node count: the N whose tree maximises expected tokens
+    per verification cost, ``(1 + E[accepted](N)) / (1 + TREE_COST_SLOPE * N)``.
+    """
     spec = spec or "calibrated"
     num_heads = heads.config.num_heads
     m = re.fullmatch(r"calibrated(?::(\d+))?", spec)
     if m:
-        nodes = int(m.group(1) or DEFAULT_TREE_NODES)
-        accuracy = heads.config.accuracy[:num_heads]
-        if not accuracy:
-            # original-format heads carry no measurements: a generic sparse tree of that size
-            return _generic(nodes, num_heads)
-        return calibrated_topology(accuracy, nodes)
+        accuracy = heads.config.accuracy[:num_heads] or generic_profile()[:num_heads]
+        if m.group(1):
+            return calibrated_topology(accuracy, int(m.group(1)))
+        return best_sized_topology(accuracy)
     return load_topology(spec, num_heads)
 
 
-def _generic(nodes: int, num_heads: int) -> Topology:
-    return calibrated_topology(generic_profile()[:num_heads], nodes)
+def best_sized_topology(accuracy: list[list[float]], max_nodes: int = MAX_TREE_NODES) -> Topology:
+    """The calibrated tree whose size maximises expected tokens per unit of verification time.
+
+    >>> len(best_sized_topology([[0.9] * 4] * 4)) > len(best_sized_topology([[0.2] * 4] * 4))
+    True
+    """
+    full = calibrated_topology(accuracy, max_nodes)
+    best_n, best_rate = 1, 0.0
+    for n in range(1, len(full) + 1):
+        rate = (1.0 + expected_accepted(full[:n], accuracy)) / (1.0 + TREE_COST_SLOPE * n)
+        if rate > best_rate:
+            best_n, best_rate = n, rate
+    return full[:best_n]
 
 
 def check_heads_fit(heads: MedusaHeads, target: LoadedModel) -> None:
