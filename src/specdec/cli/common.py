@@ -68,6 +68,11 @@ AdaptiveOpt = Annotated[
     ),
 ]
 
+ResumeOpt = Annotated[
+    bool, typer.Option("--resume", help="Continue from the last checkpoint in --out.")
+]
+ThreadsOpt = Annotated[int | None, typer.Option("--threads", help="torch threads.")]
+
 T = TypeVar("T")
 
 

@@ -8,7 +8,14 @@ from typing import Annotated
 import typer
 from tqdm import tqdm
 
-from specdec.cli.common import DtypeOpt, GgufOpt, ModelOpt, err_console, user_errors
+from specdec.cli.common import (
+    DtypeOpt,
+    GgufOpt,
+    ModelOpt,
+    ThreadsOpt,
+    err_console,
+    user_errors,
+)
 
 data_app = typer.Typer(help="Training data for speculators.", no_args_is_help=True)
 
@@ -38,7 +45,7 @@ def generate(
         float, typer.Option("--temperature", help="0 = greedy (matches greedy verification).")
     ] = 0.0,
     seed: Annotated[int, typer.Option("--seed", help="Order of the prompts (and sampling).")] = 0,
-    threads: Annotated[int | None, typer.Option("--threads", help="torch threads.")] = None,
+    threads: ThreadsOpt = None,
     model: ModelOpt = None,
     gguf: GgufOpt = None,
     dtype: DtypeOpt = "float32",

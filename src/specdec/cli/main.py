@@ -5,8 +5,10 @@ from __future__ import annotations
 import typer
 
 from specdec.cli.bench import bench
+from specdec.cli.data import data_app
 from specdec.cli.generate import generate
 from specdec.cli.serve import serve
+from specdec.cli.train import train_app
 
 app = typer.Typer(
     name="specdec",
@@ -18,6 +20,8 @@ app = typer.Typer(
 app.command()(generate)
 app.command()(serve)
 app.command()(bench)
+app.add_typer(data_app, name="data")
+app.add_typer(train_app, name="train")
 
 
 @app.callback()

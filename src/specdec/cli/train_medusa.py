@@ -8,7 +8,15 @@ from typing import Annotated
 import typer
 from tqdm import tqdm
 
-from specdec.cli.common import DtypeOpt, GgufOpt, ModelOpt, err_console, user_errors
+from specdec.cli.common import (
+    DtypeOpt,
+    GgufOpt,
+    ModelOpt,
+    ResumeOpt,
+    ThreadsOpt,
+    err_console,
+    user_errors,
+)
 
 
 def medusa(
@@ -32,10 +40,8 @@ def medusa(
     batch: Annotated[int, typer.Option("--batch", help="Token positions per step.")] = 256,
     eval_every: Annotated[int, typer.Option("--eval-every")] = 200,
     seed: Annotated[int, typer.Option("--seed")] = 0,
-    resume: Annotated[
-        bool, typer.Option("--resume", help="Continue from the last checkpoint in --out.")
-    ] = False,
-    threads: Annotated[int | None, typer.Option("--threads", help="torch threads.")] = None,
+    resume: ResumeOpt = False,
+    threads: ThreadsOpt = None,
     model: ModelOpt = None,
     gguf: GgufOpt = None,
     dtype: DtypeOpt = "float32",
