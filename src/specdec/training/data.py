@@ -192,6 +192,7 @@ def _atomic_write_text(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(text)
+    os.chmod(tmp, 0o644)  # mkstemp makes 0600; data is meant to be shared
     os.replace(tmp, path)
 
 
@@ -341,6 +342,7 @@ def _write_shard(
     fd, tmp = tempfile.mkstemp(prefix=".shard.", dir=out)
     os.close(fd)
     save_file(tensors, tmp, metadata={"skipped_long_prompts": str(skipped)})
+    os.chmod(tmp, 0o644)
     os.replace(tmp, out / shard_name(start, end))
 
 
