@@ -68,6 +68,25 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def check_equivalent_or_tie(engine, smol_dir, plain_outputs, prompts, label: str):
+    """Greedy outputs equal plain decoding, or differ first at an explained fp tie; returns the
+    speculative results for further checks."""
+    results = []
+    for prompt in prompts:
+        plain = plain_outputs[prompt]
+        spec = engine.generate(prompt, chat=True, max_new_tokens=24)
+        results.append(spec)
+        pos = first_difference(spec.token_ids, plain)
+        if pos is not None:
+            prefix = engine.encode(prompt, chat=True) + plain[:pos]
+            margin = top2_margin_float64(smol_dir, prefix)
+            assert margin < 1e-3, (
+                f"{label} differs at token {pos} of {prompt[:40]!r}, "
+                f"not an fp tie (margin {margin:.4f})"
+            )
+    return results
+
+
 def top2_margin_float64(smol_dir: Path, prefix: list[int]) -> float:
     model64 = load_model(smol_dir, dtype="float64").model
     logits = ModelRunner(model64).forward(prefix)[-1]
@@ -83,20 +102,10 @@ def test_greedy_equivalence_on_real_prompts(smol, smol_dir, plain_outputs, metho
     engine = SpeculativeEngine.from_pretrained(
         smol, method=method, draft=draft, num_draft_tokens=k, adaptive=False
     )
-    accepted = 0
     # the untrained early-exit draft is slow and almost always rejected: three prompts suffice
-    for prompt in PROMPTS if method == "prompt-lookup" else PROMPTS[::2]:
-        plain = plain_outputs[prompt]
-        spec = engine.generate(prompt, chat=True, max_new_tokens=24)
-        accepted += spec.stats.accepted_tokens
-        pos = first_difference(spec.token_ids, plain)
-        if pos is not None:
-            prefix = engine.encode(prompt, chat=True) + plain[:pos]
-            margin = top2_margin_float64(smol_dir, prefix)
-            assert margin < 1e-3, (
-                f"{method} K={k} differs at token {pos} of {prompt[:40]!r}, "
-                f"not an fp tie (margin {margin:.4f})"
-            )
+    prompts = PROMPTS if method == "prompt-lookup" else PROMPTS[::2]
+    results = check_equivalent_or_tie(engine, smol_dir, plain_outputs, prompts, f"{method} K={k}")
+    accepted = sum(r.stats.accepted_tokens for r in results)
     if method == "prompt-lookup":
         assert accepted > 10
 
@@ -195,17 +204,7 @@ def test_medusa_trees_greedy_equivalence_on_real_prompts(
     engine = SpeculativeEngine.from_pretrained(
         smol, method="medusa", medusa=str(smol_medusa), tree=tree
     )
-    drafted = 0
-    for prompt in PROMPTS[::2]:
-        plain = plain_outputs[prompt]
-        spec = engine.generate(prompt, chat=True, max_new_tokens=24)
-        drafted += spec.stats.drafted_tokens
-        pos = first_difference(spec.token_ids, plain)
-        if pos is not None:
-            prefix = engine.encode(prompt, chat=True) + plain[:pos]
-            margin = top2_margin_float64(smol_dir, prefix)
-            assert margin < 1e-3, (
-                f"medusa {tree} differs at token {pos} of {prompt[:40]!r}, "
-                f"not an fp tie (margin {margin:.4f})"
-            )
-    assert drafted > 0
+    results = check_equivalent_or_tie(
+        engine, smol_dir, plain_outputs, PROMPTS[::2], f"medusa {tree}"
+    )
+    assert sum(r.stats.drafted_tokens for r in results) > 0

@@ -89,10 +89,17 @@ def user_errors() -> Iterator[None]:
         raise typer.Exit(130) from None
 
 
-def load_target(model: Path | None, gguf: Path | None, dtype: str) -> Any:
-    """Load the target alone (training, data generation), announcing a one-time conversion."""
+def load_target(
+    model: Path | None, gguf: Path | None, dtype: str, threads: int | None = None
+) -> Any:
+    """Load the target alone (training, data generation), announcing a one-time conversion;
+    ``threads`` sets torch's thread count first."""
     from specdec.target import load_model
 
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
     _announce_conversion(model, gguf)
     return load_model(model, gguf=gguf, dtype=dtype)
 

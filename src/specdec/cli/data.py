@@ -51,15 +51,12 @@ def generate(
     dtype: DtypeOpt = "float32",
 ) -> None:
     """Have the target answer training prompts; store prompt + response token ids."""
-    import torch
 
     from specdec.cli.common import load_target
     from specdec.training.data import generate_data
 
-    if threads:
-        torch.set_num_threads(threads)
     with user_errors():
-        loaded = load_target(model, gguf, dtype)
+        loaded = load_target(model, gguf, dtype, threads)
         manifest = generate_data(
             loaded,
             prompts,

@@ -85,15 +85,12 @@ def draft(
 ) -> None:
     """Distil a small draft model (the target's architecture, fewer layers) from the target by
     matching its token distributions on self-distilled data (KL(p || q), DistillSpec)."""
-    import torch
 
     from specdec.cli.common import load_target
     from specdec.training.distill import train_draft
 
-    if threads:
-        torch.set_num_threads(threads)
     with user_errors():
-        loaded = load_target(model, gguf, dtype)
+        loaded = load_target(model, gguf, dtype, threads)
         result = train_draft(
             loaded,
             data,

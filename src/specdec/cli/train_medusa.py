@@ -47,14 +47,11 @@ def medusa(
     dtype: DtypeOpt = "float32",
 ) -> None:
     """Train Medusa heads for the target (frozen) on its own outputs."""
-    import torch
 
     from specdec.cli.common import load_target
     from specdec.training.data import load_data
     from specdec.training.medusa import MedusaTrainConfig, train_medusa
 
-    if threads:
-        torch.set_num_threads(threads)
     with user_errors():
         config = MedusaTrainConfig(
             num_heads=heads,
@@ -67,7 +64,7 @@ def medusa(
             eval_every=eval_every,
             seed=seed,
         )
-        loaded = load_target(model, gguf, dtype)
+        loaded = load_target(model, gguf, dtype, threads)
         dataset = load_data(data, loaded)
         result = train_medusa(
             loaded, dataset, out, config, resume=resume, progress=tqdm, log=tqdm.write
