@@ -47,6 +47,7 @@ class _Request:
     rule: AcceptanceRule
     generator: torch.Generator
     budget: AdaptiveBudget | FixedBudget | NodeBudget
+    started: float  # time.perf_counter() when the request arrived
     stats: RequestStats = field(default_factory=RequestStats)
 
     @property
@@ -211,13 +212,23 @@ class SpeculativeEngine:
             rule=self.acceptance_rule or rule_for(config.sampling),
             generator=make_generator(config.sampling.seed),
             budget=self._budget_policy(config),
+            started=started,
         )
         req.stats.prompt_tokens = len(prompt_ids)
         req.stats.lossless = req.rule.lossless
         req.speculator.reset()
         self.target.begin(prompt_ids)
         req.stats.prefill_seconds = time.perf_counter() - started
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
+        try:
+            yield from self._loop(req)
+        finally:
+            end_request = getattr(req.speculator, "end_request", None)
+            if end_request is not None:
+                end_request(list(req.tokens), req.prompt_len)
+
+    def _loop(self, req: _Request) -> Iterator[TokenEvent]:
+        config = req.config
+        detok = IncrementalDetokenizer(self.tokenizer, req.tokens)
         stopper = StopMatcher(config.stop)
         while True:
             acceptance = self.step(req)
@@ -243,7 +254,7 @@ class SpeculativeEngine:
                 if not stop_hit:
                     text += stopper.flush()  # release text held back for a possible stop
             req.stats.new_tokens = len(req.tokens) - req.prompt_len
-            req.stats.seconds = time.perf_counter() - started
+            req.stats.seconds = time.perf_counter() - req.started
             yield TokenEvent(tuple(emitted), text, finish, req.stats.snapshot())
             if finish is not None:
                 return
@@ -277,7 +288,7 @@ class SpeculativeEngine:
         acceptance = req.rule.accept(tree, logits, req.config.sampling, req.generator)
         self.target.commit(acceptance.path)
         t2 = time.perf_counter()
-        req.speculator.observe(Feedback(tree, acceptance))
+        req.speculator.observe(Feedback(tree, acceptance, logits))
         req.stats.draft_seconds += t1 - t0
         req.stats.verify_seconds += t2 - t1
         depth = max(tree.depths)

@@ -33,10 +33,13 @@ class DraftContext:
 
 @dataclass(frozen=True)
 class Feedback:
-    """What verification made of the last proposal."""
+    """What verification made of the last proposal. ``logits`` are the target's logits at every
+    tree node from that same pass (lookahead reads its Jacobi updates from them, so they cost no
+    extra forward)."""
 
     tree: DraftTree
     acceptance: Acceptance
+    logits: torch.Tensor | None = None  # [N, V]
 
 
 class Speculator(Protocol):
@@ -46,6 +49,10 @@ class Speculator(Protocol):
     otherwise they are deterministic, q = one-hot), ``needs_hidden_states``, and
     ``drafts_trees`` (the budget counts tree nodes and is fixed at K, instead of a chain length
     the adaptive budget chooses per step).
+
+    A speculator that learns across requests may also define
+    ``end_request(tokens: list[int], prompt_len: int) -> None``; the engine calls it once when a
+    request ends (finished, stopped or abandoned) with its prompt and committed output.
     """
 
     name: ClassVar[str]
