@@ -85,6 +85,9 @@ class SpeculationConfig:
     prompt_lookup_min_ngram: int = 2
     medusa: str | None = None  # checkpoint directory for method "medusa"
     tree: str | None = None  # tree topology: calibrated[:N] | preset name | JSON file
+    lookahead: str | None = None  # "W,N,G" for method "lookahead"; None = measured defaults
+    suffix_cache: str | None = None  # file the "suffix" method loads at start and saves to
+    self_draft: str | None = None  # layer choice for method "self"; None = saved calibration
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens < 1:
