@@ -123,6 +123,9 @@ class SpeculativeEngine:
         medusa: str | None = None,
         tree: str | None = None,
         typical_acceptance: bool = False,
+        lookahead: str | None = None,
+        suffix_cache: str | None = None,
+        self_draft: str | None = None,
     ) -> SpeculativeEngine:
         """Load a target (a local HF directory, a GGUF file, or the bundled default model when
         both are ``None``) and build the speculator registered under ``method``.
@@ -130,6 +133,9 @@ class SpeculativeEngine:
         ``medusa`` is a Medusa checkpoint directory, ``tree`` its tree topology
         (``calibrated[:N]``, a preset, or a JSON file). ``typical_acceptance`` switches sampled
         requests to Medusa's typical acceptance, which is faster but LOSSY (statistics say so).
+        ``lookahead`` is ``"W,N,G"`` for method ``lookahead``; ``suffix_cache`` a file the
+        ``suffix`` method loads and keeps saved; ``self_draft`` the layer choice of method
+        ``self`` (default: the one ``specdec calibrate self`` saved for this model).
         """
         spec = SpeculationConfig(
             method=method,
@@ -139,6 +145,9 @@ class SpeculativeEngine:
             prompt_lookup_min_ngram=prompt_lookup_min_ngram,
             medusa=medusa,
             tree=tree,
+            lookahead=lookahead,
+            suffix_cache=suffix_cache,
+            self_draft=self_draft,
         )
         loaded = (
             model if isinstance(model, LoadedModel) else load_model(model, gguf=gguf, dtype=dtype)

@@ -1,6 +1,6 @@
 """Speculators: each proposes a DraftTree; a registry maps method names to factories."""
 
-from specdec.speculators import draft_model, medusa, none, prompt_lookup
+from specdec.speculators import draft_model, lookahead, medusa, none, prompt_lookup
 from specdec.speculators.base import (
     DraftContext,
     Feedback,
@@ -23,6 +23,7 @@ __all__ = [
     "available",
     "build_speculator",
     "draft_model",
+    "lookahead",
     "medusa",
     "none",
     "prompt_lookup",
