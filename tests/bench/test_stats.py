@@ -113,3 +113,20 @@ def test_summarize_rows_are_finite():
     assert by["pl"].mean_accepted == 2.0
     assert by["hf"].mean_accepted is None
     assert all(math.isfinite(m.tokens_per_s.median) for m in by.values())
+
+
+def test_pass_table_shows_each_repeat_separately():
+    from specdec.bench.report import pass_table
+
+    recs = []
+    for rep in (0, 1):
+        for line in (1, 2):
+            recs.append(rec(line, "none", 10.0, rep, target_forwards=20, accepted_at=[],
+                            drafted_at=[], draft_seconds=0.0))
+            # the learning method doubles its accepted drafts on the second pass
+            recs.append(rec(line, "suffix", 10.0 + 10 * rep, rep, target_forwards=10,
+                            accepted_at=[5 + 5 * rep], drafted_at=[10], draft_seconds=0.0))
+    lines = pass_table(recs)
+    row = next(x for x in lines if x.startswith("| `suffix`"))
+    assert "1.50 / 1.00×" in row and "2.00 / 2.00×" in row
+    assert pass_table([r for r in recs if r["repeat"] == 0]) == []

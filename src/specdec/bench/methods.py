@@ -60,6 +60,8 @@ class MethodRunner(Protocol):
 
 _HF_VARIANTS = {"hf": "greedy", "hf-prompt-lookup": "prompt-lookup", "hf-assisted": "assisted"}
 _NEEDS_DRAFT = {"draft", "assisted", "medusa"}
+# methods whose optional argument (NAME:ARG) goes to this engine option
+_OPTIONAL_ARG = {"lookahead": "lookahead", "suffix": "suffix_cache", "self": "self_draft"}
 
 
 def parse_methods(
@@ -69,9 +71,10 @@ def parse_methods(
 
     ``NAME:DRAFT`` gives a draft (``layers:N`` or a model directory) to ``draft`` and
     ``hf-assisted``, and a checkpoint to ``medusa`` (``medusa:DIR`` or ``medusa:DIR@TREE``
-    with TREE a ``--tree`` value such as ``calibrated:64``). The reference ``none`` is put
-    first (added when missing), because every other method is compared with it on the same
-    prompt.
+    with TREE a ``--tree`` value such as ``calibrated:64``). ``lookahead:WxNxG``,
+    ``suffix:CACHE_FILE`` and ``self:LAYERS`` set those methods' options. The reference
+    ``none`` is put first (added when missing), because every other method is compared with it
+    on the same prompt.
 
     >>> [m.label for m in parse_methods("hf,prompt-lookup", ["none", "prompt-lookup"])]
     ['none', 'hf', 'prompt-lookup']
@@ -98,7 +101,7 @@ def parse_methods(
                 else f"{base}:layers:N or {base}:/path/to/draft"
             )
             raise UnknownMethodError(f"method {item!r} needs a draft: write {hint}")
-        if spec.name not in _NEEDS_DRAFT and spec.draft:
+        if spec.name not in _NEEDS_DRAFT | set(_OPTIONAL_ARG) and spec.draft:
             raise UnknownMethodError(f"method {base!r} takes no draft (got {item!r})")
         if any(s.label == item for s in specs):
             raise UnknownMethodError(f"method {item!r} is listed twice")
@@ -118,6 +121,8 @@ class EngineRunner:
         if spec.name == "medusa" and spec.draft:
             path, _, tree = spec.draft.partition("@")
             options = {"medusa": path, "tree": tree or None}
+        elif spec.name in _OPTIONAL_ARG:
+            options = {_OPTIONAL_ARG[spec.name]: spec.draft}
         self.engine = SpeculativeEngine.from_pretrained(
             loaded, method=spec.name, num_draft_tokens=num_draft_tokens, **options
         )

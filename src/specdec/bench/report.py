@@ -93,6 +93,28 @@ def losers(summaries: Sequence[MethodSummary], reference: str = "none") -> list[
     ]
 
 
+def pass_table(records: Sequence[Record]) -> list[str]:
+    """τ and speedup per repeat ("pass"): with a speculator that learns across requests (the
+    suffix cache), a second pass over the same prompts shows what it learned from the first.
+    Empty for single-pass runs."""
+    passes = sorted({int(r["repeat"]) for r in records})
+    if len(passes) < 2:
+        return []
+    per_pass = {p: {m.method: m for m in summarize(records, where=lambda r, p=p: r["repeat"] == p)}
+                for p in passes}  # fmt: skip
+    head = "| Method | " + " | ".join(f"pass {p + 1}: τ / speedup" for p in passes) + " |"
+    rows = [head, "|---|" + "---:|" * len(passes)]
+    for method in methods_in(records):
+        cells = []
+        for p in passes:
+            m = per_pass[p].get(method)
+            tau = _opt(m.mean_accepted if m else None, "{:.2f}")
+            sp = _spread(m.speedup_vs_none if m else None, suffix="×")
+            cells.append(f"{tau} / {sp}")
+        rows.append(f"| `{method}` | " + " | ".join(cells) + " |")
+    return ["## By pass over the prompt set", "", *rows, ""]
+
+
 def identity_details(records: Sequence[Record]) -> list[str]:
     lines = []
     for r in records:
@@ -198,6 +220,7 @@ def render_markdown(
             cells += ["–"] * (k - len(cells))
             out.append(f"| `{m.method}` | " + " | ".join(cells) + " |")
         out.append("")
+    out += pass_table(records)
     details = identity_details(records)
     out += ["## Identity with plain greedy decoding", ""]
     out += details or ["Every method produced exactly plain decoding's tokens on every prompt."]

@@ -22,7 +22,35 @@ ModelOpt = Annotated[
 GgufOpt = Annotated[Path | None, typer.Option("--gguf", help="GGUF file to load as the target.")]
 MethodOpt = Annotated[
     str,
-    typer.Option("--method", "-m", help="Speculator: none | prompt-lookup | draft | medusa."),
+    typer.Option(
+        "--method",
+        "-m",
+        help="Speculator: none | prompt-lookup | draft | medusa | lookahead | suffix | self.",
+    ),
+]
+LookaheadOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--lookahead",
+        help="W,N,G for --method lookahead: window W, n-gram size N, G pool n-grams verified "
+        "per step (default: measured on a CPU).",
+    ),
+]
+SuffixCacheOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--suffix-cache",
+        help="File --method suffix loads at start and saves to, so the cache of earlier "
+        "outputs survives restarts.",
+    ),
+]
+SelfDraftOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--self-draft",
+        help="Layers --method self drafts with (e.g. exit:8, skip:10-25, adapter:DIR); "
+        "default: the choice `specdec calibrate self` saved for this model.",
+    ),
 ]
 MedusaOpt = Annotated[
     str | None,

@@ -16,9 +16,12 @@ from specdec.cli.common import (
     DtypeOpt,
     GgufOpt,
     KOpt,
+    LookaheadOpt,
     MedusaOpt,
     MethodOpt,
     ModelOpt,
+    SelfDraftOpt,
+    SuffixCacheOpt,
     TreeOpt,
     TypicalOpt,
     err_console,
@@ -48,6 +51,9 @@ def generate(
     medusa: MedusaOpt = None,
     tree: TreeOpt = None,
     typical: TypicalOpt = False,
+    lookahead: LookaheadOpt = None,
+    suffix_cache: SuffixCacheOpt = None,
+    self_draft: SelfDraftOpt = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n")] = 128,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
@@ -83,6 +89,9 @@ def generate(
             medusa=medusa,
             tree=tree,
             typical_acceptance=typical,
+            lookahead=lookahead,
+            suffix_cache=str(suffix_cache) if suffix_cache else None,
+            self_draft=self_draft,
         )
         use_chat = (
             chat if chat is not None else bool(getattr(engine.tokenizer, "chat_template", None))

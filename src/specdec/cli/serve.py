@@ -13,9 +13,12 @@ from specdec.cli.common import (
     DtypeOpt,
     GgufOpt,
     KOpt,
+    LookaheadOpt,
     MedusaOpt,
     MethodOpt,
     ModelOpt,
+    SelfDraftOpt,
+    SuffixCacheOpt,
     TreeOpt,
     err_console,
     load_engine,
@@ -43,6 +46,9 @@ def serve(
     adaptive: AdaptiveOpt = True,
     medusa: MedusaOpt = None,
     tree: TreeOpt = None,
+    lookahead: LookaheadOpt = None,
+    suffix_cache: SuffixCacheOpt = None,
+    self_draft: SelfDraftOpt = None,
     dtype: DtypeOpt = "float32",
     host: Annotated[
         str, typer.Option(help="Interface to listen on (loopback by default).")
@@ -81,7 +87,18 @@ def serve(
             request_timeout=request_timeout,
         )
         engine = load_engine(
-            model, gguf, method, draft, num_draft_tokens, dtype, adaptive, medusa=medusa, tree=tree
+            model,
+            gguf,
+            method,
+            draft,
+            num_draft_tokens,
+            dtype,
+            adaptive,
+            medusa=medusa,
+            tree=tree,
+            lookahead=lookahead,
+            suffix_cache=str(suffix_cache) if suffix_cache else None,
+            self_draft=self_draft,
         )
         app = create_app(engine, config)
     err_console.print(

@@ -61,14 +61,15 @@ class LookaheadConfig:
 
     @classmethod
     def parse(cls, text: str | None) -> LookaheadConfig:
-        """``"W,N,G"`` (e.g. ``"5,4,5"``); ``None`` or ``""`` gives the defaults.
+        """``"W,N,G"`` (e.g. ``"5,4,5"``, or ``"5x4x5"`` where commas separate list items);
+        ``None`` or ``""`` gives the defaults.
 
         >>> LookaheadConfig.parse("5,4,3")
         LookaheadConfig(window=5, ngram=4, guesses=3, pool_per_key=8, context_ngrams=True)
         """
         if not text:
             return cls()
-        m = re.fullmatch(r"\s*(\d+)\s*,\s*(\d+)\s*,\s*(\d+)\s*", text)
+        m = re.fullmatch(r"\s*(\d+)\s*[,x]\s*(\d+)\s*[,x]\s*(\d+)\s*", text)
         if m is None:
             raise ConfigError(f"bad lookahead setting {text!r}: expected W,N,G such as 4,3,4")
         w, n, g = (int(x) for x in m.groups())
