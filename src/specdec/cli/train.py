@@ -1,4 +1,4 @@
-"""``specdec train medusa | draft``: train speculators on self-distilled data."""
+"""``specdec train medusa | draft | self``: train speculators on self-distilled data."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import typer
 
 from specdec.cli.train_draft import draft
 from specdec.cli.train_medusa import medusa
+from specdec.cli.train_self import self_exit
 
 train_app = typer.Typer(help="Train speculators for a target model.", no_args_is_help=True)
 train_app.command("medusa")(medusa)
 train_app.command("draft")(draft)
+train_app.command("self")(self_exit)

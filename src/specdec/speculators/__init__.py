@@ -1,6 +1,6 @@
 """Speculators: each proposes a DraftTree; a registry maps method names to factories."""
 
-from specdec.speculators import draft_model, lookahead, medusa, none, prompt_lookup
+from specdec.speculators import draft_model, lookahead, medusa, none, prompt_lookup, self_spec
 from specdec.speculators.base import (
     DraftContext,
     Feedback,
@@ -27,5 +27,6 @@ __all__ = [
     "medusa",
     "none",
     "prompt_lookup",
+    "self_spec",
     "register",
 ]

@@ -2,7 +2,10 @@
 
 Greedy requests draft the draft model's argmax (deterministic, q = one-hot); sampled requests
 sample each draft token from q (shaped by the request's temperature/top-k/top-p like p) and carry
-q to the rejection-sampling rule. The draft cache is synchronised with the committed tokens by
+q to the rejection-sampling rule. With ``min_confidence`` > 0 the chain stops early, after the
+first token whose draft probability (the top of softmax(logits) when greedy, q when sampled) is
+below it (Draft & Verify's dynamic draft length); the choice depends on the draft alone, so it
+keeps verification lossless. The draft cache is synchronised with the committed tokens by
 longest common prefix, so rejected drafts are rolled back without any bookkeeping in the engine.
 """
 
@@ -27,9 +30,14 @@ class DraftModelSpeculator:
     needs_hidden_states: ClassVar[bool] = False
     drafts_trees: ClassVar[bool] = False
 
-    def __init__(self, runner: ModelRunner, description: str = "draft model") -> None:
+    def __init__(
+        self, runner: ModelRunner, description: str = "draft model", min_confidence: float = 0.0
+    ) -> None:
+        if not 0.0 <= min_confidence < 1.0:
+            raise ConfigError(f"min_confidence must be in [0, 1), got {min_confidence}")
         self.runner = runner
         self.description = description
+        self.min_confidence = min_confidence
 
     def reset(self) -> None:
         self.runner.reset()
@@ -49,17 +57,26 @@ class DraftModelSpeculator:
         for i in range(budget):
             if greedy:
                 token = int(logits.argmax())
+                confident = self._confident(logits)
             else:
                 q = probs_from_logits(logits[None], context.sampling)[0]  # [V]
                 token = sample(q, context.generator)
                 q_rows.append(q)
+                confident = float(q[token]) >= self.min_confidence
             drafts.append(token)
+            if not confident:
+                break
             if i + 1 < budget:
                 logits = self.runner.forward([token])[-1]
         draft_probs = None
         if q_rows:
             draft_probs = torch.stack([torch.zeros_like(q_rows[0]), *q_rows])  # [N, V]
         return DraftTree.chain(tokens[-1], drafts, draft_probs)
+
+    def _confident(self, logits: torch.Tensor) -> bool:  # logits [V]
+        if self.min_confidence <= 0.0:
+            return True
+        return float(torch.softmax(logits.float(), -1).max()) >= self.min_confidence
 
     def observe(self, feedback: Feedback) -> None:
         pass

@@ -1,0 +1,312 @@
+"""Train a self-speculation exit: an adapter after the target's first L layers.
+
+The target (frozen) is run once per self-distilled sequence; its hidden state after layer L and
+its final hidden state (the LM head's input) at response positions are cached next to the
+checkpoint (float16). Training then needs only the adapter, the final norm and the LM head: the
+loss is the KL divergence from the target's distribution p (recomputed from the cached final
+hidden state) to the draft's q over the draft vocabulary (token ids < ``draft_vocab``), i.e. the
+cross-entropy with soft targets p restricted to those ids, up to a constant.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+
+from specdec.errors import CheckpointError, ConfigError, DataError
+from specdec.heads.self_exit import PrefixHead, SelfExitAdapter, SelfExitConfig, head_rows
+from specdec.target.loading import LoadedModel
+from specdec.training.data import Record, SelfDistilledData
+from specdec.training.progress import NullBar, ProgressFactory
+
+CHECKPOINT = "training_state.pt"
+
+
+@dataclass(frozen=True)
+class SelfExitTrainConfig:
+    layer: int = 8
+    rank: int = 0  # 0 = full H x H
+    draft_vocab: int = 16384  # 0 (or >= the vocabulary size) = the full vocabulary
+    epochs: float = 2.0
+    max_steps: int | None = None
+    lr: float = 2e-3
+    batch_positions: int = 256
+    held_out: float = 0.05
+    checkpoint_every: int = 100
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.layer < 1:
+            raise ConfigError(f"--layer must be >= 1, got {self.layer}")
+        if self.rank < 0 or self.draft_vocab < 0:
+            raise ConfigError("--rank and --draft-vocab must be >= 0 (0 = full)")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ConfigError(f"--max-steps must be >= 1, got {self.max_steps}")
+        if self.epochs <= 0 or self.lr <= 0 or self.batch_positions < 1:
+            raise ConfigError("epochs, lr and batch size must be positive")
+        if not 0.0 <= self.held_out < 1.0:
+            raise ConfigError(f"held-out fraction must be in [0, 1), got {self.held_out}")
+
+
+@dataclass
+class SelfExitTrainResult:
+    out_dir: Path
+    steps: int
+    train_positions: int
+    held_out_positions: int
+    agreement: float  # held-out: the draft's argmax equals the target's
+    adapter_bytes: int
+    seconds: float
+
+
+@dataclass
+class ExitFeatures:
+    exit_hidden: torch.Tensor  # [P, H] float16, after layer L
+    final_hidden: torch.Tensor  # [P, H] float16, the LM head's input
+
+    def __len__(self) -> int:
+        return len(self.exit_hidden)
+
+
+def _key(records: Sequence[Record], identity: dict[str, Any], layer: int) -> str:
+    h = hashlib.sha256(json.dumps(identity, sort_keys=True).encode())
+    h.update(f"layer={layer};".encode())
+    for r in records:
+        h.update(f"{r.index}:{r.prompt_len}:{len(r.tokens)};".encode())
+        h.update(torch.tensor(r.tokens, dtype=torch.int32).numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
+@torch.inference_mode()
+def extract_exit_features(
+    loaded: LoadedModel,
+    records: Sequence[Record],
+    layer: int,
+    cache_file: Path | None = None,
+    progress: ProgressFactory = NullBar,
+    desc: str = "target features",
+) -> ExitFeatures:
+    """Hidden states after layer ``layer`` and at the end, at the positions that predict the
+    response tokens; one target pass per sequence, cached in ``cache_file``."""
+    key = _key(records, loaded.identity(), layer)
+    if cache_file is not None and cache_file.is_file():
+        try:
+            with safe_open(str(cache_file), framework="pt") as f:
+                meta = f.metadata() or {}
+            if meta.get("key") == key:
+                t = load_file(str(cache_file))
+                return ExitFeatures(t["exit_hidden"], t["final_hidden"])
+        except (SafetensorError, OSError, ValueError, KeyError):
+            pass  # a stale or broken cache is rebuilt
+    exit_rows: list[torch.Tensor] = []
+    final_rows: list[torch.Tensor] = []
+    bar = progress(total=len(records), desc=desc, unit="seq")
+    try:
+        for r in records:
+            n, start = len(r.tokens), max(r.prompt_len - 1, 0)
+            bar.update(1)
+            if n - start < 2:
+                continue
+            ids = torch.tensor([r.tokens], dtype=torch.long)  # [1, T]
+            out = loaded.model(input_ids=ids, output_hidden_states=True, logits_to_keep=1)
+            exit_rows.append(out.hidden_states[layer][0, start : n - 1].to(torch.float16))
+            final_rows.append(out.hidden_states[-1][0, start : n - 1].to(torch.float16))
+    finally:
+        bar.close()
+    if not exit_rows:
+        raise DataError("no sequence has a response to learn from")
+    feats = ExitFeatures(torch.cat(exit_rows), torch.cat(final_rows))
+    if cache_file is not None:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_suffix(".tmp")
+        tensors = {"exit_hidden": feats.exit_hidden, "final_hidden": feats.final_hidden}
+        save_file(tensors, str(tmp), metadata={"key": key})
+        os.replace(tmp, cache_file)
+    return feats
+
+
+class _Heads:
+    """The target's final norm and LM head (frozen), and the draft's restricted head."""
+
+    def __init__(self, loaded: LoadedModel, draft_vocab: int) -> None:
+        model = loaded.model
+        self.norm = model.model.norm
+        self.lm_head = model.get_output_embeddings()
+        vocab = int(model.config.vocab_size)
+        self.rows = draft_vocab or vocab
+        self.draft_head = PrefixHead(head_rows(model, self.rows), self.rows)  # no -inf padding
+
+    def target_logp(self, final_hidden: torch.Tensor) -> torch.Tensor:  # [B, H] -> [B, rows]
+        with torch.no_grad():
+            logits = self.lm_head(final_hidden.float())  # [B, V]
+            return torch.log_softmax(logits.float(), -1)[:, : self.rows]
+
+    def draft_logits(self, adapter: SelfExitAdapter, exit_hidden: torch.Tensor) -> torch.Tensor:
+        return self.draft_head(self.norm(adapter(exit_hidden.float())))  # [B, rows]
+
+
+def kl_loss(target_logp: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
+    """Mean over rows of -sum_v p_v log q_v over the draft vocabulary (KL up to a constant).
+
+    >>> p = torch.log_softmax(torch.tensor([[2.0, 0.0]]), -1)
+    >>> round(float(kl_loss(p, torch.tensor([[2.0, 0.0]]))), 4)  # entropy of p
+    0.2539
+    """
+    return -(target_logp.exp() * torch.log_softmax(draft_logits, -1)).sum(-1).mean()
+
+
+@torch.no_grad()
+def agreement(
+    heads: _Heads, adapter: SelfExitAdapter, feats: ExitFeatures, batch: int = 512
+) -> float:
+    """Fraction of positions where the draft's argmax is the target's."""
+    hit = 0
+    for i in range(0, len(feats), batch):
+        t = heads.lm_head(feats.final_hidden[i : i + batch].float()).argmax(-1)  # [B]
+        d = heads.draft_logits(adapter, feats.exit_hidden[i : i + batch]).argmax(-1)  # [B]
+        hit += int((t == d).sum())
+    return hit / max(len(feats), 1)
+
+
+def train_self_exit(
+    loaded: LoadedModel,
+    data: SelfDistilledData,
+    out_dir: str | os.PathLike[str],
+    config: SelfExitTrainConfig = SelfExitTrainConfig(),
+    *,
+    resume: bool = False,
+    progress: ProgressFactory = NullBar,
+    log: Any = None,
+) -> SelfExitTrainResult:
+    """Train an exit adapter after ``config.layer`` layers of ``loaded`` and save it."""
+    started = time.perf_counter()
+    data.check_target(loaded)
+    cfg = loaded.model.config
+    total_layers = int(cfg.num_hidden_layers)
+    if config.layer >= total_layers:
+        raise ConfigError(f"--layer must be < {total_layers} (the target's layer count)")
+    vocab = int(cfg.vocab_size)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(config.seed)
+    train_recs, eval_recs = data.split(config.held_out, config.seed)
+    train = extract_exit_features(
+        loaded, train_recs, config.layer, out / "features-train.safetensors", progress
+    )
+    held = train
+    if eval_recs:
+        held = extract_exit_features(
+            loaded, eval_recs, config.layer, out / "features-heldout.safetensors", progress,
+            "held-out features",
+        )  # fmt: skip
+    econfig = SelfExitConfig(
+        layer=config.layer,
+        hidden_size=int(cfg.hidden_size),
+        vocab_size=vocab,
+        rank=config.rank,
+        draft_vocab=config.draft_vocab if config.draft_vocab < vocab else 0,
+        target=loaded.identity(),
+    )
+    adapter = SelfExitAdapter(econfig)
+    heads = _Heads(loaded, econfig.draft_vocab)
+    opt = torch.optim.AdamW(adapter.parameters(), lr=config.lr, weight_decay=0.0)
+    steps_per_epoch = max(1, len(train) // config.batch_positions)
+    total_steps = config.max_steps or max(1, round(config.epochs * steps_per_epoch))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - s / total_steps)
+    )
+    step = 0
+    state_path = out / CHECKPOINT
+    if resume and state_path.is_file():
+        step = _load_state(state_path, adapter, opt, sched)
+    rng = random.Random(config.seed * 7919 + step)
+    order: list[int] = []
+    bar = progress(total=total_steps, initial=step, desc="training self exit", unit="step")
+    adapter.train()
+    try:
+        while step < total_steps:
+            if len(order) < config.batch_positions:
+                fresh = list(range(len(train)))
+                rng.shuffle(fresh)
+                order += fresh
+            idx = torch.tensor(order[: config.batch_positions])
+            del order[: config.batch_positions]
+            loss = kl_loss(
+                heads.target_logp(train.final_hidden[idx]),
+                heads.draft_logits(adapter, train.exit_hidden[idx]),
+            )
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            step += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
+            if step % config.checkpoint_every == 0 and step < total_steps:
+                _save_state(state_path, adapter, opt, sched, step)
+    finally:
+        bar.close()
+    adapter.eval()
+    agree = agreement(heads, adapter, held)
+    if log is not None:
+        log(f"held-out agreement with the target after {step} steps: {agree:.3f}")
+    adapter.config = SelfExitConfig(**{**asdict(econfig), "agreement": round(agree, 4)})
+    seconds = time.perf_counter() - started
+    adapter.save(
+        out,
+        extra={
+            "training": {
+                "data": str(Path(data.manifest.prompts_file).name),
+                "records": len(data.records),
+                "train_positions": len(train),
+                "held_out_positions": len(held),
+                "steps": step,
+                "config": asdict(config),
+                "seconds": round(seconds, 1),
+            }
+        },
+    )
+    state_path.unlink(missing_ok=True)
+    return SelfExitTrainResult(
+        out, step, len(train), len(held), agree, adapter.num_bytes(), seconds
+    )
+
+
+def _save_state(
+    path: Path, adapter: SelfExitAdapter, opt: torch.optim.Optimizer, sched: Any, step: int
+) -> None:
+    tmp = path.with_suffix(".tmp")
+    state = {
+        "adapter": adapter.state_dict(),
+        "optimizer": opt.state_dict(),
+        "scheduler": sched.state_dict(),
+        "step": step,
+    }
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def _load_state(
+    path: Path, adapter: SelfExitAdapter, opt: torch.optim.Optimizer, sched: Any
+) -> int:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        adapter.load_state_dict(state["adapter"])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        return int(state["step"])
+    except Exception as e:
+        raise CheckpointError(
+            f"cannot resume from {path} ({type(e).__name__}: {e}); delete it to start over"
+        ) from e
