@@ -12,6 +12,7 @@ from specdec.speculators.base import (
 from specdec.speculators.draft_model import DraftModelSpeculator
 from specdec.speculators.none import NoSpeculator
 from specdec.speculators.prompt_lookup import PromptLookupSpeculator
+from specdec.speculators.suffix import SuffixCache, SuffixSpeculator
 
 __all__ = [
     "DraftContext",
@@ -20,6 +21,8 @@ __all__ = [
     "NoSpeculator",
     "PromptLookupSpeculator",
     "Speculator",
+    "SuffixCache",
+    "SuffixSpeculator",
     "available",
     "build_speculator",
     "draft_model",
