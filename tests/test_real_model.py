@@ -208,3 +208,23 @@ def test_medusa_trees_greedy_equivalence_on_real_prompts(
         engine, smol_dir, plain_outputs, PROMPTS[::2], f"medusa {tree}"
     )
     assert sum(r.stats.drafted_tokens for r in results) > 0
+
+
+@pytest.mark.parametrize("self_draft", ["skip:16-21@0.5"])
+def test_self_speculation_greedy_equivalence_on_real_prompts(
+    smol, smol_dir, plain_outputs, self_draft
+):
+    """The target drafts with 24 of its own 30 layers (shared modules), stopping below 0.5."""
+    from specdec.config import SpeculationConfig
+    from specdec.speculators import build_speculator
+    from specdec.target import HFTarget
+
+    spec = SpeculationConfig(method="self", num_draft_tokens=4, self_draft=self_draft)
+    engine = SpeculativeEngine(
+        HFTarget(smol), smol.tokenizer, build_speculator(smol, spec), num_draft_tokens=4,
+        loaded=smol, adaptive=False,
+    )  # fmt: skip
+    results = check_equivalent_or_tie(
+        engine, smol_dir, plain_outputs, PROMPTS[::2], f"self {self_draft}"
+    )
+    assert sum(r.stats.accepted_tokens for r in results) > 0

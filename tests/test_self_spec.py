@@ -287,3 +287,24 @@ def test_training_is_seeded(tiny, data_dir, tmp_path):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     with pytest.raises(ConfigError, match="--layer"):
         train_self_exit(tiny, data, tmp_path / "c", SelfExitTrainConfig(layer=4, max_steps=1))
+
+
+def test_calibrate_cli_saves_a_choice(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    prompts = tmp_path / "train" / "prompts.jsonl"
+    prompts.parent.mkdir()
+    prompts.write_text("".join(json.dumps({"prompt": p, "category": "x"}) + "\n" for p in PROMPTS))
+    args = ["calibrate", "self", "--prompts", str(prompts), "--num-prompts", "2",
+            "--max-new-tokens", "8", "--candidate", "exit:3", "--candidate", "skip:2",
+            "--thresholds", "0.5", "--model", str(tiny.source)]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    saved = json.loads(calibration_path(tiny).read_text())
+    assert saved["self_draft"] in {"exit:3", "skip:2", "exit:3@0.5", "skip:2@0.5"}
+    assert len(saved["measured"]) == 4
+    build_speculator(tiny, SpeculationConfig(method="self"))  # uses it
+    evals = tmp_path / "eval" / "p.jsonl"
+    evals.parent.mkdir()
+    evals.write_text(prompts.read_text())
+    result = CliRunner().invoke(app, [*args[:3], str(evals), *args[4:]])
+    assert result.exit_code == 2 and "evaluation set" in result.output

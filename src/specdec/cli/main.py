@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from specdec.cli.bench import bench
+from specdec.cli.calibrate import calibrate_app
 from specdec.cli.data import data_app
 from specdec.cli.generate import generate
 from specdec.cli.serve import serve
@@ -22,6 +23,7 @@ app.command()(serve)
 app.command()(bench)
 app.add_typer(data_app, name="data")
 app.add_typer(train_app, name="train")
+app.add_typer(calibrate_app, name="calibrate")
 
 
 @app.callback()

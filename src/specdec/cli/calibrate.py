@@ -1,0 +1,119 @@
+"""``specdec calibrate self``: choose self-speculation's draft layers and confidence stop."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from specdec.cli.common import DtypeOpt, GgufOpt, ModelOpt, ThreadsOpt, err_console, user_errors
+
+calibrate_app = typer.Typer(
+    help="Measure and save per-model choices for speculators.", no_args_is_help=True
+)
+
+
+@calibrate_app.command("self")
+def calibrate_self(
+    prompts: Annotated[
+        Path,
+        typer.Option("--prompts", help="JSONL of TRAINING prompts (evaluation sets are refused)."),
+    ],
+    category: Annotated[
+        str | None,
+        typer.Option("--category", help="Only prompts of this category (e.g. summarization)."),
+    ] = None,
+    num_prompts: Annotated[int, typer.Option("--num-prompts", help="Prompts per candidate.")] = 3,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 48,
+    num_draft_tokens: Annotated[
+        int, typer.Option("--num-draft-tokens", "-k", help="Most tokens drafted per step.")
+    ] = 6,
+    candidate: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--candidate",
+            help="A self_draft spec to try (repeatable; default: early exits and middle skip "
+            "windows derived from the layer count).",
+        ),
+    ] = None,
+    adapter: Annotated[
+        list[Path] | None,
+        typer.Option("--adapter", help="A trained exit from `specdec train self` (repeatable)."),
+    ] = None,
+    thresholds: Annotated[
+        str,
+        typer.Option(
+            "--thresholds", help="Confidence stops tried on the two fastest drafts (comma list)."
+        ),
+    ] = "0.3,0.5,0.7",
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    save: Annotated[bool, typer.Option("--save/--no-save", help="Save the choice.")] = True,
+    threads: ThreadsOpt = None,
+    model: ModelOpt = None,
+    gguf: GgufOpt = None,
+    dtype: DtypeOpt = "float32",
+) -> None:
+    """Measure candidate drafts (greedy, paired with plain decoding) and save the fastest.
+
+    Stage 1 measures every layer choice without a confidence stop; stage 2 adds each threshold
+    to the two fastest. `--method self` without a self_draft then uses the saved choice."""
+    from rich.table import Table
+    from tqdm import tqdm
+
+    from specdec.cli.common import load_target
+    from specdec.errors import ConfigError
+    from specdec.speculators.self_spec import save_calibration
+    from specdec.training.self_calibration import default_candidates, measure, pick_prompts
+
+    with user_errors():
+        try:
+            stops = [float(t) for t in thresholds.split(",") if t.strip()]
+        except ValueError:
+            raise ConfigError(
+                f"--thresholds must be a comma list of numbers, got {thresholds!r}"
+            ) from None
+        loaded = load_target(model, gguf, dtype, threads)
+        chosen = pick_prompts(prompts, num_prompts, category, seed)
+        specs = list(candidate or default_candidates(int(loaded.model.config.num_hidden_layers)))
+        specs += [f"adapter:{a.resolve()}" for a in adapter or []]
+        kw = dict(max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens, progress=tqdm)
+        rows = measure(loaded, specs, chosen, **kw)  # type: ignore[arg-type]
+        top = [r.spec for r in sorted(rows, key=lambda r: -r.speedup)[:2]]
+        staged = [f"{s}@{t:g}" for s in top for t in stops if t > 0]
+        rows += measure(loaded, staged, chosen, **kw)  # type: ignore[arg-type]
+    rows.sort(key=lambda r: -r.speedup)
+    table = Table(title=f"self-speculation on {len(chosen)} training prompts (greedy)")
+    for col in ("self_draft", "speedup", "tok/s", "plain tok/s", "τ", "acceptance"):
+        table.add_column(col, justify="left" if col == "self_draft" else "right")
+    for r in rows:
+        table.add_row(
+            r.spec,
+            f"{r.speedup:.2f}x",
+            f"{r.tokens_per_s:.1f}",
+            f"{r.plain_tokens_per_s:.1f}",
+            f"{r.mean_accepted:.2f}",
+            f"{r.acceptance_rate:.2f}",
+        )
+    err_console.print(table)
+    best = rows[0]
+    if best.speedup < 1.0:
+        err_console.print(
+            f"note: no candidate beat plain decoding here (best {best.spec}, "
+            f"{best.speedup:.2f}x); the adaptive budget will mostly draft nothing with it"
+        )
+    if save:
+        details = {
+            "speedup": round(best.speedup, 3),
+            "tokens_per_s": round(best.tokens_per_s, 2),
+            "mean_accepted": round(best.mean_accepted, 3),
+            "prompts": len(chosen),
+            "category": category,
+            "max_new_tokens": max_new_tokens,
+            "measured": [
+                {"spec": r.spec, "speedup": round(r.speedup, 3), "tau": round(r.mean_accepted, 3)}
+                for r in rows
+            ],
+        }
+        path = save_calibration(loaded, best.spec, details)
+        err_console.print(f"saved self_draft {best.spec} for this model in {path}")
