@@ -77,40 +77,43 @@ class LookaheadConfig:
 
 
 class NgramPool:
-    """n-grams keyed by their first token, the ``per_key`` most recently seen kept per key.
+    """n-grams keyed by their first token, the ``per_key`` most recently seen kept per key, each
+    with the token seen before it. Lookup ranks continuations whose preceding token also matches
+    first: one token of extra context makes a guess far likelier to be accepted, at no cost.
 
-    >>> pool = NgramPool(per_key=2)
-    >>> for gram in [(1, 2, 3), (1, 4, 5), (1, 2, 3), (1, 6, 7)]:
-    ...     pool.add(gram)
-    >>> pool.lookup(1, 5)
-    [(6, 7), (2, 3)]
+    >>> pool = NgramPool(per_key=3)
+    >>> for prev, gram in [(0, (1, 2, 3)), (8, (1, 4, 5)), (0, (1, 2, 3)), (9, (1, 6, 7))]:
+    ...     pool.add(gram, prev)
+    >>> pool.lookup(1, 5)  # most recent first
+    [(6, 7), (2, 3), (4, 5)]
+    >>> pool.lookup(1, 2, prev=8)  # the one seen after 8 first
+    [(4, 5), (6, 7)]
     >>> pool.lookup(9, 5)
     []
     """
 
     def __init__(self, per_key: int) -> None:
         self.per_key = per_key
-        self._grams: dict[int, OrderedDict[tuple[int, ...], None]] = {}
+        self._grams: dict[int, OrderedDict[tuple[int, ...], int | None]] = {}
 
-    def add(self, gram: Sequence[int]) -> None:
+    def add(self, gram: Sequence[int], prev: int | None = None) -> None:
         key, rest = int(gram[0]), tuple(int(t) for t in gram[1:])
         bucket = self._grams.setdefault(key, OrderedDict())
-        bucket[rest] = None
+        bucket[rest] = prev
         bucket.move_to_end(rest)  # most recent last
         if len(bucket) > self.per_key:
             bucket.popitem(last=False)
 
-    def lookup(self, key: int, limit: int) -> list[tuple[int, ...]]:
-        """Up to ``limit`` continuations of ``key``, most recent first."""
+    def lookup(self, key: int, limit: int, prev: int | None = None) -> list[tuple[int, ...]]:
+        """Up to ``limit`` continuations of ``key``: those seen after ``prev`` first, then the
+        rest, each most recent first."""
         bucket = self._grams.get(key)
         if not bucket or limit <= 0:
             return []
-        out: list[tuple[int, ...]] = []
-        for rest in reversed(bucket):
-            out.append(rest)
-            if len(out) == limit:
-                break
-        return out
+        recent = list(reversed(bucket.items()))
+        if prev is not None:
+            recent.sort(key=lambda item: item[1] != prev)  # stable: keeps recency within ties
+        return [rest for rest, _ in recent[:limit]]
 
     def __len__(self) -> int:
         return sum(len(b) for b in self._grams.values())
@@ -206,7 +209,7 @@ class LookaheadSpeculator:
         if len(tokens) < self._indexed_end:  # a new request without reset()
             self.reset()
         for end in range(max(self._indexed_end, n), len(tokens) + 1):
-            self.pool.add(tokens[end - n : end])
+            self.pool.add(tokens[end - n : end], tokens[end - n - 1] if end > n else None)
         self._indexed_end = len(tokens)
 
     def _seed_window(self, tokens: list[int], prompt_len: int) -> None:
@@ -226,7 +229,8 @@ class LookaheadSpeculator:
             self._pool_context(tokens)
         if not self.levels:
             self._seed_window(tokens, context.prompt_len)
-        guesses = self.pool.lookup(root, self.config.guesses)
+        prev = tokens[-2] if len(tokens) >= 2 else None
+        guesses = self.pool.lookup(root, self.config.guesses, prev)
         built = build_lookahead_tree(root, self.levels, guesses)
         if built.tree.num_drafted > budget:  # the context is nearly full: draft nothing
             return DraftTree.root_only(root)
@@ -239,9 +243,10 @@ class LookaheadSpeculator:
             return
         top = built.window_nodes[-1]
         outputs = feedback.logits[top].argmax(dim=-1).tolist()  # [W]
+        first = self.levels[0]
         self.levels, grams = jacobi_update(self.levels, outputs, self.config.ngram)
-        for gram in grams:
-            self.pool.add(gram)
+        for j, gram in enumerate(grams):  # column j's predecessor: level 0's column j - 1
+            self.pool.add(gram, first[j - 1] if j else None)
 
 
 @register("lookahead")
