@@ -95,7 +95,8 @@ def bench(
     methods: Annotated[
         str | None,
         typer.Option(
-            help="Comma-separated: none, prompt-lookup, draft:layers:N | draft:DIR, hf, "
+            help="Comma-separated: none, prompt-lookup, draft:layers:N | draft:DIR, "
+            "medusa:DIR[@TREE], lookahead[:WxNxG], suffix[:CACHE_FILE], self[:LAYERS], hf, "
             "hf-prompt-lookup, hf-assisted:layers:N | hf-assisted:DIR. Default: "
             f"{DEFAULT_METHODS} ({QUICK_METHODS} with --quick).",
         ),
