@@ -228,3 +228,19 @@ def test_self_speculation_greedy_equivalence_on_real_prompts(
         engine, smol_dir, plain_outputs, PROMPTS[::2], f"self {self_draft}"
     )
     assert sum(r.stats.accepted_tokens for r in results) > 0
+
+
+def test_lookahead_greedy_equivalence_on_real_prompts(smol, smol_dir, plain_outputs):
+    engine = SpeculativeEngine.from_pretrained(smol, method="lookahead")
+    results = check_equivalent_or_tie(engine, smol_dir, plain_outputs, PROMPTS, "lookahead")
+    assert sum(r.stats.accepted_tokens for r in results) > 10
+
+
+def test_suffix_cache_learns_across_requests_on_real_prompts(smol, smol_dir, plain_outputs):
+    """Second pass over the same prompts: still plain decoding's output, now drafted from the
+    cache of the first pass's answers, so each answer takes far fewer target passes."""
+    engine = SpeculativeEngine.from_pretrained(smol, method="suffix")
+    first = check_equivalent_or_tie(engine, smol_dir, plain_outputs, PROMPTS, "suffix, pass 1")
+    second = check_equivalent_or_tie(engine, smol_dir, plain_outputs, PROMPTS, "suffix, pass 2")
+    passes = [sum(r.stats.target_forwards for r in rs) for rs in (first, second)]
+    assert passes[1] < passes[0] / 2, passes
