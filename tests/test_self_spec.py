@@ -24,8 +24,8 @@ from specdec.errors import CheckpointError, ConfigError
 from specdec.heads.self_exit import load_self_exit
 from specdec.speculators import build_speculator
 from specdec.speculators.self_spec import (
-    DEFAULT_SPEC,
     calibration_path,
+    default_spec,
     parse_self_draft,
     save_calibration,
 )
@@ -82,7 +82,7 @@ def test_specs_parse():
     assert parse_self_draft("skip:3,5-6@0.4", 8).layers == (0, 1, 2, 4, 7)
     a = parse_self_draft("adapter:/x/y@0.3", 30)
     assert (a.adapter, a.min_confidence) == ("/x/y", 0.3)
-    assert parse_self_draft(DEFAULT_SPEC, 30).kind == "skip"
+    assert parse_self_draft(default_spec(30), 30).kind == "exit"
 
 
 @pytest.mark.parametrize(
@@ -174,7 +174,7 @@ def test_confidence_stop_shortens_chains(tiny):
     assert short.stats.drafted_tokens < long.stats.drafted_tokens
 
 
-SAMPLES, ALPHA = 1500, 1e-3
+SAMPLES, ALPHA = 1000, 1e-3
 SAMPLING = dict(temperature=1.0, top_k=4)
 
 
@@ -228,8 +228,8 @@ def test_sampling_is_lossless(tiny):
 def test_saved_calibration_is_used(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     spec = SpeculationConfig(method="self")
-    with pytest.raises(ConfigError):  # the default is for 30-layer models, not this 4-layer one
-        build_speculator(tiny, spec)
+    fallback = build_speculator(tiny, spec)
+    assert fallback.min_confidence == 0.7 and "not calibrated" in fallback.description
     path = save_calibration(tiny, "skip:2@0.2", {"tokens_per_second": 1.0})
     assert path == calibration_path(tiny) and path.is_relative_to(tmp_path)
     speculator = build_speculator(tiny, spec)

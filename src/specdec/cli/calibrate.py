@@ -100,7 +100,7 @@ def calibrate_self(
     if best.speedup < 1.0:
         err_console.print(
             f"note: no candidate beat plain decoding here (best {best.spec}, "
-            f"{best.speedup:.2f}x); the adaptive budget will mostly draft nothing with it"
+            f"{best.speedup:.2f}x); plain decoding (--method none) is faster on this machine"
         )
     if save:
         details = {
