@@ -15,9 +15,13 @@ the next Jacobi level. Columns of ``N - 1`` levels plus that output are n-grams 
 Any accepted path is lossless whatever the window holds: the drafts are deterministic
 (q = one-hot), so greedy output equals plain decoding and sampled output follows the target.
 
-Knob defaults (W = 4, N = 3, G = 4) were chosen by measurement on a 2-core CPU with the bundled
-135M model, where an n-node tree costs about 1 + 0.04 n decode steps: the paper's GPU defaults
-(W = 15, N = 5, G = 15, ~120 nodes) cost ~5 decode steps here and never pay.
+Knob defaults (W = 1, N = 3, G = 4) were chosen by measurement on a 2-core CPU with the bundled
+135M model (``bench/lookahead_sweep.py``). There an n-node tree costs T(n)/T(1) = 1.28 / 1.40 /
+1.61 decode steps for n = 4 / 8 / 16, so every window column costs about as much as it returns:
+on six chat prompts, W,N,G = 4,3,4 reached tau 1.40 with 11.5-node trees, 1,3,4 tau 1.29 with
+~6-node trees, both close to plain decoding's speed. The paper's GPU settings (W = 15, N = 5,
+G = 15, ~120 nodes) assume extra tree nodes are nearly free, as on an accelerator; pass them
+with ``--lookahead`` there.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ class LookaheadConfig:
     token, ``context_ngrams``: also pool the request's own n-grams (prompt and output), which
     turns repeated text into free candidates as prompt lookup does."""
 
-    window: int = 4
+    window: int = 1
     ngram: int = 3
     guesses: int = 4
     pool_per_key: int = 8
