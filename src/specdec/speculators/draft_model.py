@@ -3,9 +3,9 @@
 Greedy requests draft the draft model's argmax (deterministic, q = one-hot); sampled requests
 sample each draft token from q (shaped by the request's temperature/top-k/top-p like p) and carry
 q to the rejection-sampling rule. With ``min_confidence`` > 0 the chain stops early, after the
-first token whose draft probability (the top of softmax(logits) when greedy, q when sampled) is
-below it (Draft & Verify's dynamic draft length); the choice depends on the draft alone, so it
-keeps verification lossless. The draft cache is synchronised with the committed tokens by
+first token whose draft probability is below it (greedy: the top of softmax(logits); sampled: q
+of the sampled token) -- Draft & Verify's dynamic draft length. The choice depends on the draft
+alone, so verification stays lossless. The draft cache is synchronised with the committed tokens by
 longest common prefix, so rejected drafts are rolled back without any bookkeeping in the engine.
 """
 
