@@ -202,3 +202,22 @@ def test_common_prefix_and_budget():
     assert common_prefix_len([], [1]) == 0
     assert FixedBudget(5).choose(remaining_tokens=1, context_room=100) == 0
     assert FixedBudget(5).choose(remaining_tokens=100, context_room=3) == 2
+
+
+def test_adaptive_budget_counts_drafting_time():
+    """A draft that costs most of a target pass per token must not be used at mediocre
+    acceptance, and the docstring's worked examples hold."""
+    import doctest
+
+    from specdec.control import AdaptiveBudget, CostModel, budget
+
+    assert doctest.testmod(budget).failed == 0
+    costs = CostModel(seconds={1: 1.0})
+    for _ in range(20):
+        costs.observe_draft(4, 4 * 0.8)  # 0.8 s per drafted token
+    assert abs(costs.draft_seconds_per_token - 0.8) < 1e-9
+    assert AdaptiveBudget(5, costs, alphas=[0.6] * 5).choose(100, 100) == 0
+    assert AdaptiveBudget(5, costs, alphas=[0.95] * 5).choose(100, 100) > 0
+    frozen = CostModel.prior()
+    frozen.observe_draft(4, 100.0)  # sampled requests' prior never learns timings
+    assert frozen.draft_seconds_per_token == 0.0

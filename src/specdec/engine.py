@@ -303,6 +303,7 @@ class SpeculativeEngine:
         depth = max(tree.depths)
         req.stats.record_step(depth, acceptance.num_accepted)
         self.cost_model.observe(len(tree), t2 - t1)
+        self.cost_model.observe_draft(tree.num_drafted, t1 - t0)
         req.budget.observe(depth, acceptance.num_accepted)
         return acceptance
 

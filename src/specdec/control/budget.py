@@ -70,12 +70,14 @@ def expected_tokens(alphas: list[float], k: int) -> float:
 @dataclass
 class CostModel:
     """Verification time T(n) of an n-node tree: moving averages of measured passes, sizes not
-    yet seen extrapolated from T(1) with a prior slope (T(n)/T(1) = 1 + slope (n - 1))."""
+    yet seen extrapolated from T(1) with a prior slope (T(n)/T(1) = 1 + slope (n - 1)); and the
+    speculator's drafting time per token, a moving average too (zero in the frozen prior)."""
 
     prior_slope: float = 0.06
     decay: float = 0.9
     frozen: bool = False
     seconds: dict[int, float] = field(default_factory=dict)
+    draft_seconds_per_token: float = 0.0
 
     @classmethod
     def prior(cls) -> CostModel:
@@ -92,6 +94,20 @@ class CostModel:
             return
         old = self.seconds.get(n)
         self.seconds[n] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+
+    def draft_cost(self, k: int) -> float:
+        """Seconds to draft ``k`` tokens: zero until measured (prompt lookup stays ~zero; a
+        draft model or self-speculation costs a fraction of a target pass per token)."""
+        return k * self.draft_seconds_per_token
+
+    def observe_draft(self, k: int, seconds: float) -> None:
+        if self.frozen or k < 1:
+            return
+        per_token = seconds / k
+        old = self.draft_seconds_per_token
+        self.draft_seconds_per_token = (
+            per_token if old == 0.0 else self.decay * old + (1 - self.decay) * per_token
+        )
 
 
 @dataclass
@@ -121,11 +137,22 @@ class AdaptiveBudget:
         4
         >>> AdaptiveBudget(4, alphas=[0.02, 0.02, 0.02, 0.02]).choose(100, 100)
         0
+
+        Drafting time counts too: at 0.6 acceptance a free draft pays, one that costs 0.7 of a
+        target pass per token (a large self-speculation draft) does not.
+
+        >>> free = CostModel(seconds={1: 1.0})
+        >>> AdaptiveBudget(4, free, alphas=[0.6] * 4).choose(100, 100)
+        4
+        >>> costly = CostModel(seconds={1: 1.0}, draft_seconds_per_token=0.7)
+        >>> AdaptiveBudget(4, costly, alphas=[0.6] * 4).choose(100, 100)
+        0
         """
         cap = max(0, min(self.num_draft_tokens, remaining_tokens - 1, context_room - 1))
         best_k, best_rate = 0, 1.0 / self.costs.cost(1)
         for k in range(1, cap + 1):
-            rate = expected_tokens(self.alphas, k) / self.costs.cost(k + 1)
+            seconds = self.costs.cost(k + 1) + self.costs.draft_cost(k)
+            rate = expected_tokens(self.alphas, k) / seconds
             if rate > best_rate:
                 best_k, best_rate = k, rate
         if best_k == 0 and cap > 0 and self._steps_since_draft >= self.probe_every:
