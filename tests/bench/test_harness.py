@@ -20,9 +20,11 @@ class Scripted:
         self.spec = MethodSpec(label, "engine", label)
         self.tokens = tokens
         self.log = log
+        self.prompts: list[list[int]] = []
 
     def run(self, prompt_ids: Sequence[int], max_new_tokens: int) -> RunOutput:
         self.log.append((self.spec.label, max_new_tokens))
+        self.prompts.append(list(prompt_ids))
         return RunOutput(self.tokens[:max_new_tokens], 0.5, "length")
 
 
@@ -58,3 +60,13 @@ def test_reference_must_come_first(tiny):
     runners = [Scripted("hf", [1], []), Scripted("none", [1], [])]
     with pytest.raises(InvalidRequestError, match="reference"):
         run_benchmark(tiny, runners, [], [], BenchConfig(), env={})
+
+
+def test_warmup_prompt_is_kept_apart_from_the_benchmark_prompts(tiny):
+    """A speculator that learns across requests must not see a benchmark prompt before its
+    first recorded run."""
+    runners = [Scripted("none", [5, 6], []), Scripted("suffix", [5, 6], [])]
+    questions = [Question(1, "qa", "qa", "p1", 1)]
+    config = BenchConfig(max_new_tokens=2, warmup_tokens=1)
+    run_benchmark(tiny, runners, questions, [[10, 11]], config, env={}, warmup_ids=[42])
+    assert all(r.prompts == [[42], [10, 11]] for r in runners)

@@ -176,19 +176,23 @@ def run_benchmark(
     *,
     env: dict[str, Any] | None = None,
     on_run: ProgressFn | None = None,
+    warmup_ids: list[int] | None = None,
 ) -> list[Record]:
     """Warm up, then run every method on every prompt, interleaved; returns the records.
 
     ``on_run(phase, record)`` is called after each run (phase ``"warmup"`` with ``None``, or
     ``"run"`` with the record) so that the caller can draw progress and write rows as they come.
     The reference method (``none``) must be first: the others are compared with its output.
+    ``warmup_ids`` is the warm-up prompt; pass one outside the benchmark's prompts, so that a
+    speculator that learns across requests (the suffix cache) has seen no benchmark answer
+    before the first recorded run (default: the first prompt).
     """
     if not runners or runners[0].spec.label != REFERENCE:
         raise InvalidRequestError("the first method must be the reference, 'none'")
     env = env if env is not None else environment(loaded)
     if config.warmup_tokens and prompt_ids:
         for runner in runners:
-            runner.run(prompt_ids[0], config.warmup_tokens)
+            runner.run(warmup_ids or prompt_ids[0], config.warmup_tokens)
             if on_run:
                 on_run("warmup", None)
     records: list[Record] = []

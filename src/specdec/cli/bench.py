@@ -37,6 +37,9 @@ QUICK_TOKENS = 32
 QUICK_METHODS = "none,prompt-lookup,draft:layers:8"  # our engine's: identity is what CI checks
 EXIT_IDENTITY = 1  # --quick: a lossless method's output differed from plain decoding
 EXIT_BAD_LINES = 3  # the run finished, but malformed data set lines were skipped
+# Warm-up prompt, outside every data set: a speculator that learns across requests must not
+# have seen a benchmark answer before the first recorded run.
+WARMUP_PROMPT = "Name three colours."
 
 
 def _split(value: str | None) -> list[str] | None:
@@ -190,7 +193,7 @@ def _run(
     from specdec.bench import harness, report, stats
     from specdec.bench.errors import DatasetError
     from specdec.bench.methods import build_runners, parse_methods
-    from specdec.bench.workloads import load_questions, select
+    from specdec.bench.workloads import Question, load_questions, select
     from specdec.errors import InvalidRequestError
 
     # Everything a user can get wrong is checked before the model loads.
@@ -279,8 +282,17 @@ def _run(
                     highlight=False,
                 )
 
+        warmup = Question("warmup", "warmup", "warmup", WARMUP_PROMPT, 0)
+        warmup_ids = harness.encode_questions(loaded, [warmup], config.chat)[0]
         records = harness.run_benchmark(
-            loaded, runners, questions, prompt_ids, config, env=env, on_run=on_run
+            loaded,
+            runners,
+            questions,
+            prompt_ids,
+            config,
+            env=env,
+            on_run=on_run,
+            warmup_ids=warmup_ids,
         )
     path = report.write_report(records, out, meta, plots)
     _print_overall(Console(), records)
