@@ -88,7 +88,8 @@ def fastest(summaries: Sequence[MethodSummary]) -> MethodSummary | None:
 
 def losers(summaries: Sequence[MethodSummary], reference: str = "none") -> list[MethodSummary]:
     return [
-        m for m in summaries
+        m
+        for m in summaries
         if m.method != reference and m.speedup_vs_none is not None and m.speedup_vs_none.median < 1
     ]
 
@@ -100,8 +101,10 @@ def pass_table(records: Sequence[Record]) -> list[str]:
     passes = sorted({int(r["repeat"]) for r in records})
     if len(passes) < 2:
         return []
-    per_pass = {p: {m.method: m for m in summarize(records, where=lambda r, p=p: r["repeat"] == p)}
-                for p in passes}  # fmt: skip
+    per_pass = {
+        p: {m.method: m for m in summarize([r for r in records if int(r["repeat"]) == p])}
+        for p in passes
+    }
     head = "| Method | " + " | ".join(f"pass {p + 1}: τ / speedup" for p in passes) + " |"
     rows = [head, "|---|" + "---:|" * len(passes)]
     for method in methods_in(records):
