@@ -129,4 +129,8 @@ def test_pass_table_shows_each_repeat_separately():
     lines = pass_table(recs)
     row = next(x for x in lines if x.startswith("| `suffix`"))
     assert "1.50 / 1.00×" in row and "2.00 / 2.00×" in row
+    # and per task group for each pass: speedup / τ
+    second = lines[lines.index("### Pass 2: speedup vs `none` / τ by task group") :]
+    grid_row = next(x for x in second if x.startswith("| `suffix`"))
+    assert grid_row.count("2.00× / 2.00") == 2  # the qa group and overall
     assert pass_table([r for r in recs if r["repeat"] == 0]) == []

@@ -115,7 +115,26 @@ def pass_table(records: Sequence[Record]) -> list[str]:
             sp = _spread(m.speedup_vs_none if m else None, suffix="×")
             cells.append(f"{tau} / {sp}")
         rows.append(f"| `{method}` | " + " | ".join(cells) + " |")
-    return ["## By pass over the prompt set", "", *rows, ""]
+    out = ["## By pass over the prompt set", "", *rows, ""]
+    for p in passes:
+        out += [f"### Pass {p + 1}: speedup vs `none` / τ by task group", ""]
+        out += group_grid([r for r in records if int(r["repeat"]) == p]) + [""]
+    return out
+
+
+def group_grid(records: Sequence[Record]) -> list[str]:
+    """One row per method, one column per task group and overall: "speedup / τ"."""
+    by_group = summaries_by_group(records)
+    groups = list(by_group)
+    rows = ["| Method | " + " | ".join(groups) + " |", "|---|" + "---:|" * len(groups)]
+    for method in methods_in(records):
+        cells = []
+        for g in groups:
+            m = next((x for x in by_group[g] if x.method == method), None)
+            sp = _spread(m.speedup_vs_none if m else None, suffix="×")
+            cells.append(f"{sp} / {_opt(m.mean_accepted if m else None, '{:.2f}')}")
+        rows.append(f"| `{method}` | " + " | ".join(cells) + " |")
+    return rows
 
 
 def identity_details(records: Sequence[Record]) -> list[str]:
