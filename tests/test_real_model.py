@@ -145,6 +145,8 @@ def test_cli_json_compare(smol_dir):
             "16",
             "--compare",
             "--json",
+            "--threads",
+            "1",
         ],
         capture_output=True,
         text=True,

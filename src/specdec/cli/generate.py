@@ -22,6 +22,7 @@ from specdec.cli.common import (
     ModelOpt,
     SelfDraftOpt,
     SuffixCacheOpt,
+    ThreadsOpt,
     TreeOpt,
     TypicalOpt,
     err_console,
@@ -71,6 +72,7 @@ def generate(
         ),
     ] = None,
     dtype: DtypeOpt = "float32",
+    threads: ThreadsOpt = None,
     compare: Annotated[
         bool, typer.Option("--compare", help="Also decode without speculation and compare.")
     ] = False,
@@ -78,6 +80,10 @@ def generate(
 ) -> None:
     """Generate text with speculative decoding."""
     with user_errors():
+        if threads:
+            import torch
+
+            torch.set_num_threads(max(1, threads))
         engine = load_engine(
             model,
             gguf,
