@@ -14,8 +14,6 @@ budget's best tree from them.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import random
 import time
@@ -27,14 +25,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
 from specdec.errors import CheckpointError, ConfigError, DataError
 from specdec.heads.medusa import MedusaConfig, MedusaHeads
 from specdec.target.loading import LoadedModel
 from specdec.target.numerics import dense_weight
 from specdec.training.data import Record, SelfDistilledData
+from specdec.training.feature_cache import fingerprint, load_cached, save_cached
 from specdec.training.progress import NullBar, ProgressFactory
 
 IGNORE = -100
@@ -101,15 +98,6 @@ class Features:
         return len(self.labels)
 
 
-def _fingerprint(records: Sequence[Record], identity: dict[str, Any], num_heads: int) -> str:
-    h = hashlib.sha256(json.dumps(identity, sort_keys=True).encode())
-    h.update(str(num_heads).encode())
-    for r in records:
-        h.update(f"{r.index}:{r.prompt_len}:{len(r.tokens)};".encode())
-        h.update(torch.tensor(r.tokens, dtype=torch.int32).numpy().tobytes())
-    return h.hexdigest()[:32]
-
-
 @torch.inference_mode()
 def extract_features(
     loaded: LoadedModel,
@@ -120,18 +108,11 @@ def extract_features(
     desc: str = "target features",
 ) -> Features:
     """One target pass per sequence; cached in ``cache_file`` keyed by data and target."""
-    key = _fingerprint(records, loaded.identity(), num_heads)
-    if cache_file is not None and cache_file.is_file():
-        try:
-            from safetensors import safe_open
-
-            with safe_open(str(cache_file), framework="pt") as f:
-                meta = f.metadata() or {}
-            if meta.get("key") == key:
-                t = load_file(str(cache_file))
-                return Features(t["hidden"], t["labels"], float(meta["target_agreement"]))
-        except (SafetensorError, OSError, ValueError, KeyError):
-            pass  # a stale or broken cache is rebuilt
+    key = fingerprint(records, loaded.identity(), str(num_heads))
+    cached = load_cached(cache_file, key)
+    if cached is not None:
+        t, meta = cached
+        return Features(t["hidden"], t["labels"], float(meta["target_agreement"]))
     model = loaded.model
     hidden_rows: list[torch.Tensor] = []
     label_rows: list[torch.Tensor] = []
@@ -165,15 +146,12 @@ def extract_features(
     if not hidden_rows:
         raise DataError("no sequence has a response to learn from")
     feats = Features(torch.cat(hidden_rows), torch.cat(label_rows), agree / max(total, 1))
-    if cache_file is not None:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache_file.with_suffix(".tmp")
-        save_file(
-            {"hidden": feats.hidden.contiguous(), "labels": feats.labels.contiguous()},
-            str(tmp),
-            metadata={"key": key, "target_agreement": str(feats.target_agreement)},
-        )
-        os.replace(tmp, cache_file)
+    save_cached(
+        cache_file,
+        key,
+        {"hidden": feats.hidden, "labels": feats.labels},
+        {"target_agreement": str(feats.target_agreement)},
+    )
     return feats
 
 

@@ -10,8 +10,6 @@ cross-entropy with soft targets p restricted to those ids, up to a constant.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import random
 import time
@@ -21,13 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
 
 from specdec.errors import CheckpointError, ConfigError, DataError
 from specdec.heads.self_exit import PrefixHead, SelfExitAdapter, SelfExitConfig, head_rows
 from specdec.target.loading import LoadedModel
 from specdec.training.data import Record, SelfDistilledData
+from specdec.training.feature_cache import fingerprint, load_cached, save_cached
 from specdec.training.progress import NullBar, ProgressFactory
 
 CHECKPOINT = "training_state.pt"
@@ -79,15 +76,6 @@ class ExitFeatures:
         return len(self.exit_hidden)
 
 
-def _key(records: Sequence[Record], identity: dict[str, Any], layer: int) -> str:
-    h = hashlib.sha256(json.dumps(identity, sort_keys=True).encode())
-    h.update(f"layer={layer};".encode())
-    for r in records:
-        h.update(f"{r.index}:{r.prompt_len}:{len(r.tokens)};".encode())
-        h.update(torch.tensor(r.tokens, dtype=torch.int32).numpy().tobytes())
-    return h.hexdigest()[:32]
-
-
 @torch.inference_mode()
 def extract_exit_features(
     loaded: LoadedModel,
@@ -99,16 +87,11 @@ def extract_exit_features(
 ) -> ExitFeatures:
     """Hidden states after layer ``layer`` and at the end, at the positions that predict the
     response tokens; one target pass per sequence, cached in ``cache_file``."""
-    key = _key(records, loaded.identity(), layer)
-    if cache_file is not None and cache_file.is_file():
-        try:
-            with safe_open(str(cache_file), framework="pt") as f:
-                meta = f.metadata() or {}
-            if meta.get("key") == key:
-                t = load_file(str(cache_file))
-                return ExitFeatures(t["exit_hidden"], t["final_hidden"])
-        except (SafetensorError, OSError, ValueError, KeyError):
-            pass  # a stale or broken cache is rebuilt
+    key = fingerprint(records, loaded.identity(), f"layer={layer};")
+    cached = load_cached(cache_file, key)
+    if cached is not None:
+        t, _ = cached
+        return ExitFeatures(t["exit_hidden"], t["final_hidden"])
     exit_rows: list[torch.Tensor] = []
     final_rows: list[torch.Tensor] = []
     bar = progress(total=len(records), desc=desc, unit="seq")
@@ -127,12 +110,8 @@ def extract_exit_features(
     if not exit_rows:
         raise DataError("no sequence has a response to learn from")
     feats = ExitFeatures(torch.cat(exit_rows), torch.cat(final_rows))
-    if cache_file is not None:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache_file.with_suffix(".tmp")
-        tensors = {"exit_hidden": feats.exit_hidden, "final_hidden": feats.final_hidden}
-        save_file(tensors, str(tmp), metadata={"key": key})
-        os.replace(tmp, cache_file)
+    tensors = {"exit_hidden": feats.exit_hidden, "final_hidden": feats.final_hidden}
+    save_cached(cache_file, key, tensors)
     return feats
 
 
