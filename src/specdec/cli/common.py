@@ -100,6 +100,14 @@ ResumeOpt = Annotated[
     bool, typer.Option("--resume", help="Continue from the last checkpoint in --out.")
 ]
 ThreadsOpt = Annotated[int | None, typer.Option("--threads", help="torch threads.")]
+# shared by the trainers
+DataOpt = Annotated[
+    Path, typer.Option("--data", help="Self-distilled data from `specdec data generate`.")
+]
+MaxStepsOpt = Annotated[
+    int | None, typer.Option("--max-steps", help="Stop after N optimiser steps (smoke runs).")
+]
+BatchOpt = Annotated[int, typer.Option("--batch", help="Token positions per step.")]
 
 T = TypeVar("T")
 

@@ -9,8 +9,10 @@ import typer
 from tqdm import tqdm
 
 from specdec.cli.common import (
+    DataOpt,
     DtypeOpt,
     GgufOpt,
+    MaxStepsOpt,
     ModelOpt,
     ResumeOpt,
     ThreadsOpt,
@@ -20,10 +22,7 @@ from specdec.cli.common import (
 
 
 def draft(
-    data: Annotated[
-        Path,
-        typer.Option("--data", help="Self-distilled data from `specdec data generate`."),
-    ],
+    data: DataOpt,
     out: Annotated[
         Path,
         typer.Option("--out", help="Output: a Hugging Face model directory (+ checkpoint/)."),
@@ -43,9 +42,7 @@ def draft(
         int | None,
         typer.Option("--epochs", help="Passes over the data (default 1, or as --max-steps needs)."),
     ] = None,
-    max_steps: Annotated[
-        int | None, typer.Option("--max-steps", help="Stop after N optimiser steps.")
-    ] = None,
+    max_steps: MaxStepsOpt = None,
     lr: Annotated[float, typer.Option("--lr", help="Peak AdamW learning rate.")] = 3e-4,
     batch_tokens: Annotated[
         int, typer.Option("--batch-tokens", help="Padded tokens per batch.")

@@ -9,8 +9,11 @@ import typer
 from tqdm import tqdm
 
 from specdec.cli.common import (
+    BatchOpt,
+    DataOpt,
     DtypeOpt,
     GgufOpt,
+    MaxStepsOpt,
     ModelOpt,
     ResumeOpt,
     ThreadsOpt,
@@ -20,7 +23,7 @@ from specdec.cli.common import (
 
 
 def medusa(
-    data: Annotated[Path, typer.Option("--data", help="Directory from `specdec data generate`.")],
+    data: DataOpt,
     out: Annotated[Path, typer.Option("--out", help="Checkpoint directory to write.")],
     heads: Annotated[int, typer.Option("--heads", help="Number of Medusa heads.")] = 4,
     layers: Annotated[int, typer.Option("--layers", help="Residual blocks per head.")] = 1,
@@ -33,11 +36,9 @@ def medusa(
         ),
     ] = 8192,
     epochs: Annotated[float, typer.Option("--epochs")] = 4.0,
-    max_steps: Annotated[
-        int | None, typer.Option("--max-steps", help="Stop after N steps (smoke runs).")
-    ] = None,
+    max_steps: MaxStepsOpt = None,
     lr: Annotated[float, typer.Option("--lr")] = 1e-3,
-    batch: Annotated[int, typer.Option("--batch", help="Token positions per step.")] = 256,
+    batch: BatchOpt = 256,
     eval_every: Annotated[int, typer.Option("--eval-every")] = 200,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     resume: ResumeOpt = False,

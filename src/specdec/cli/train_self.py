@@ -9,8 +9,11 @@ import typer
 from tqdm import tqdm
 
 from specdec.cli.common import (
+    BatchOpt,
+    DataOpt,
     DtypeOpt,
     GgufOpt,
+    MaxStepsOpt,
     ModelOpt,
     ResumeOpt,
     ThreadsOpt,
@@ -20,7 +23,7 @@ from specdec.cli.common import (
 
 
 def self_exit(
-    data: Annotated[Path, typer.Option("--data", help="Directory from `specdec data generate`.")],
+    data: DataOpt,
     layer: Annotated[int, typer.Option("--layer", help="Exit after this many target layers.")],
     out: Annotated[Path, typer.Option("--out", help="Adapter directory to write.")],
     rank: Annotated[
@@ -35,11 +38,9 @@ def self_exit(
         ),
     ] = 16384,
     epochs: Annotated[float, typer.Option("--epochs")] = 2.0,
-    max_steps: Annotated[
-        int | None, typer.Option("--max-steps", help="Stop after N steps (smoke runs).")
-    ] = None,
+    max_steps: MaxStepsOpt = None,
     lr: Annotated[float, typer.Option("--lr")] = 2e-3,
-    batch: Annotated[int, typer.Option("--batch", help="Token positions per step.")] = 256,
+    batch: BatchOpt = 256,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     resume: ResumeOpt = False,
     threads: ThreadsOpt = None,
