@@ -3,7 +3,6 @@ on tiny random-weight models and self-distilled data made in the test."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from specdec import SpeculativeEngine
 from specdec.cli.main import app
 from specdec.errors import CheckpointError, ConfigError, DataError
 from specdec.target import early_exit_model, load_model
+from specdec.testing import model_fingerprint
 from specdec.training.data import Record, generate_data, load_data
 from specdec.training.distill import (
     TRAINING_FILE,
@@ -51,20 +51,6 @@ def _write_prompts(path: Path, prompts: list[str]) -> Path:
     return path
 
 
-def _target_fingerprint(loaded) -> str:
-    """Weights (also those inside prepacked linears, seen through the logits) and config."""
-    h = hashlib.sha256()
-    for name, t in sorted(loaded.model.state_dict().items()):
-        if t.layout == torch.strided:
-            h.update(name.encode())
-            h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
-    with torch.inference_mode():
-        logits = loaded.model(torch.arange(1, 40)[None]).logits
-    h.update(logits.contiguous().view(torch.uint8).numpy().tobytes())
-    h.update(json.dumps(loaded.model.config.to_dict(), sort_keys=True, default=str).encode())
-    return h.hexdigest()
-
-
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir: Path):
     return load_model(tiny_model_dir)
@@ -82,7 +68,7 @@ def data_dir(tiny, tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def trained(tiny, data_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     out = tmp_path_factory.mktemp("distilled") / "draft"
-    before = _target_fingerprint(tiny)
+    before = model_fingerprint(tiny)
     result = train_draft(tiny, data_dir, out, **QUICK)
     return result, out, before
 
@@ -99,7 +85,7 @@ def test_training_lowers_the_held_out_kl(trained):
 
 def test_the_targets_weights_and_config_are_unchanged(tiny, trained):
     _, _, before = trained
-    assert _target_fingerprint(tiny) == before
+    assert model_fingerprint(tiny) == before
 
 
 def test_initial_student_is_the_early_exit_draft(tiny):

@@ -7,7 +7,6 @@ layer-subset draft against a manual forward, spec parsing, and the trained exit 
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections import Counter
 from pathlib import Path
@@ -31,6 +30,7 @@ from specdec.speculators.self_spec import (
 )
 from specdec.target import HFTarget, ModelRunner, load_model
 from specdec.target.early_exit import layer_subset_model
+from specdec.testing import model_fingerprint
 from specdec.training.data import generate_data
 from specdec.training.self_exit import SelfExitTrainConfig, train_self_exit
 from specdec.verify import probs_from_logits
@@ -56,20 +56,7 @@ def engine_for(loaded, self_draft: str, k: int = 3, adaptive: bool = False) -> S
 
 
 def fingerprint(loaded) -> str:
-    """Weights (also inside prepacked linears, seen through the logits), config, and hooks."""
-    h = hashlib.sha256()
-    for name, t in sorted(loaded.model.state_dict().items()):
-        if t.layout == torch.strided:
-            h.update(name.encode())
-            h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
-    with torch.inference_mode():
-        logits = loaded.model(torch.arange(1, 40)[None]).logits
-    h.update(logits.contiguous().view(torch.uint8).numpy().tobytes())
-    h.update(json.dumps(loaded.model.config.to_dict(), sort_keys=True, default=str).encode())
-    for name, m in loaded.model.named_modules():
-        h.update(f"{name}:{len(m._forward_hooks)}:{len(m._forward_pre_hooks)}".encode())
-        h.update(str(getattr(m, "layer_idx", "")).encode())
-    return h.hexdigest()
+    return model_fingerprint(loaded, modules=True)
 
 
 # -- specs -------------------------------------------------------------------------------------

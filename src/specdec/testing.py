@@ -7,6 +7,8 @@ losslessness tests need. They use a real (word-level) tokenizer, so the engine r
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Sequence
 from typing import ClassVar
 
@@ -14,6 +16,7 @@ import torch
 from transformers import PreTrainedTokenizerFast
 
 from specdec.speculators.base import DraftContext, Feedback
+from specdec.target import LoadedModel
 from specdec.tree import DraftTree
 from specdec.verify import probs_from_logits, sample
 
@@ -107,3 +110,24 @@ class ScriptedSpeculator:
 
     def reset(self) -> None:
         pass
+
+
+def model_fingerprint(loaded: LoadedModel, modules: bool = False) -> str:
+    """Digest of a model's weights (also those inside prepacked linears, seen through the
+    logits of a fixed input) and config, and with ``modules`` each module's hook counts and
+    ``layer_idx``: what a
+    speculator sharing the target's modules must leave untouched."""
+    h = hashlib.sha256()
+    for name, t in sorted(loaded.model.state_dict().items()):
+        if t.layout == torch.strided:
+            h.update(name.encode())
+            h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    with torch.inference_mode():
+        logits = loaded.model(torch.arange(1, 40)[None]).logits
+    h.update(logits.contiguous().view(torch.uint8).numpy().tobytes())
+    h.update(json.dumps(loaded.model.config.to_dict(), sort_keys=True, default=str).encode())
+    if modules:
+        for name, m in loaded.model.named_modules():
+            h.update(f"{name}:{len(m._forward_hooks)}:{len(m._forward_pre_hooks)}".encode())
+            h.update(str(getattr(m, "layer_idx", "")).encode())
+    return h.hexdigest()
