@@ -104,7 +104,7 @@ class SpeculativeEngine:
                     f"the {self.speculator.name} speculator reads the target's hidden states, "
                     f"which {type(target).__name__} does not provide"
                 )
-            enable()
+            enable(getattr(self.speculator, "feature_layers", (-1,)))
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod

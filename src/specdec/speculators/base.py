@@ -21,8 +21,9 @@ if TYPE_CHECKING:
 class DraftContext:
     """Everything a speculator may look at: committed tokens (the last one is the tree's root),
     where the prompt ends, the request's sampling settings and private RNG, and (for
-    speculators that declare ``needs_hidden_states``) the target's final hidden states at the
-    positions that produced the tokens committed last; the last row produced the root."""
+    speculators that declare ``needs_hidden_states``) the target's hidden states (final, or the
+    speculator's ``feature_layers`` concatenated) at the positions that produced the tokens
+    committed last; the last row produced the root."""
 
     tokens: list[int]
     prompt_len: int
@@ -46,7 +47,9 @@ class Speculator(Protocol):
     """Proposes a :class:`DraftTree` of at most ``budget`` drafted tokens per step.
 
     Class attributes declare capabilities: ``produces_q`` (drafts carry q for lossless sampling;
-    otherwise they are deterministic, q = one-hot), ``needs_hidden_states``, and
+    otherwise they are deterministic, q = one-hot), ``needs_hidden_states`` (optionally with
+    ``feature_layers``, the target hidden-state indices it reads, concatenated; default the
+    final normed state ``(-1,)``), and
     ``drafts_trees`` (the budget counts tree nodes and is fixed at K, instead of a chain length
     the adaptive budget chooses per step).
 

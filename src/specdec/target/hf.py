@@ -7,6 +7,7 @@ from typing import Protocol
 
 import torch
 
+from specdec.errors import ConfigError
 from specdec.target.loading import LoadedModel
 from specdec.target.runner import ModelRunner
 from specdec.tree import DraftTree
@@ -46,9 +47,19 @@ class HFTarget:
         self._start = 0
         self._features: torch.Tensor | None = None
 
-    def enable_features(self) -> None:
-        """Keep final hidden states from every pass (for Medusa / EAGLE speculators)."""
+    def enable_features(self, layers: Sequence[int] = (-1,)) -> None:
+        """Keep hidden states from every pass for feature-level speculators: the final normed
+        state by default (Medusa, EAGLE-1), or several layers' outputs concatenated (EAGLE-3's
+        low/middle/high features; index i of the model's ``hidden_states``, 0 = embeddings)."""
+        n = int(self.loaded.model.config.num_hidden_layers)
+        for i in layers:
+            if not -n - 1 <= i <= n:
+                raise ConfigError(
+                    f"hidden-state layer {i} is out of range: this model has {n} layers "
+                    f"(valid indices {-n - 1}..{n})"
+                )
         self.runner.output_hidden = True
+        self.runner.hidden_layers = tuple(int(i) for i in layers)
 
     @property
     def features(self) -> torch.Tensor | None:

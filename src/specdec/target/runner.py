@@ -39,7 +39,10 @@ class ModelRunner:
         self.cache = KVCache(model.config)
         self.dtype = next(model.parameters()).dtype
         self.output_hidden = False
-        self.last_hidden: torch.Tensor | None = None  # [T, H] of the last forward, when kept
+        # which of the model's hidden_states to keep (index 0 = embeddings, i = output of layer
+        # i-1, -1 = final normed state); several are concatenated along the feature axis
+        self.hidden_layers: tuple[int, ...] = (-1,)
+        self.last_hidden: torch.Tensor | None = None  # [T, H * len(hidden_layers)], when kept
 
     @property
     def context_length(self) -> int:
@@ -85,7 +88,11 @@ class ModelRunner:
         )
         self.cache.appended(tokens)
         if self.output_hidden:
-            self.last_hidden = out.hidden_states[-1][0]  # [T, H]
+            states = out.hidden_states
+            if len(self.hidden_layers) == 1:
+                self.last_hidden = states[self.hidden_layers[0]][0]  # [T, H]
+            else:
+                self.last_hidden = torch.cat([states[i][0] for i in self.hidden_layers], -1)
         return out.logits[0]
 
     def forward_tree(self, tree: DraftTree) -> torch.Tensor:
