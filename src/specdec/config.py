@@ -88,6 +88,7 @@ class SpeculationConfig:
     lookahead: str | None = None  # "W,N,G" for method "lookahead"; None = measured defaults
     suffix_cache: str | None = None  # file the "suffix" method loads at start and saves to
     self_draft: str | None = None  # layer choice for method "self"; None = saved calibration
+    auto_arms: str | None = None  # speculators method "auto" chooses from ("a+b"); None = all
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens < 1:

@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerBase
 
 from specdec.config import GenerationConfig, SamplingConfig, SpeculationConfig
 from specdec.control import AdaptiveBudget, CostModel, FixedBudget, NodeBudget
+from specdec.control.calibration import load_cost_calibration
 from specdec.errors import ConfigError
 from specdec.events import GenerationResult, TokenEvent
 from specdec.metrics import RequestStats
@@ -34,6 +35,14 @@ from specdec.verify import (
     make_generator,
     rule_for,
 )
+
+
+def _initial_costs(loaded: LoadedModel | None) -> CostModel:
+    """The saved calibration's ratios as the prior when there is one, else the generic one."""
+    calibration = load_cost_calibration(loaded) if loaded is not None else None
+    if calibration is None:
+        return CostModel()
+    return CostModel.calibrated(calibration.ratios(tree=False), calibration.ratios(tree=True))
 
 
 @dataclass
@@ -87,7 +96,9 @@ class SpeculativeEngine:
         SpeculationConfig(num_draft_tokens=num_draft_tokens)  # validates K >= 1
         self.num_draft_tokens = num_draft_tokens
         self.adaptive = adaptive
-        self.cost_model = CostModel()  # T(n) measured on this machine, shared by requests
+        # T(n) measured on this machine, shared by requests; from `specdec calibrate cost`
+        self.cost_model = _initial_costs(loaded)
+        self._cost_prior = self.cost_model.frozen_prior()  # for sampled requests
         self.loaded = loaded
         if eos_token_ids is not None:
             self.eos_token_ids = frozenset(eos_token_ids)
@@ -97,6 +108,9 @@ class SpeculativeEngine:
             eos = tokenizer.eos_token_id
             self.eos_token_ids = frozenset() if eos is None else frozenset({int(eos)})
         self._plain = NoSpeculator()
+        bind = getattr(self.speculator, "bind_cost_model", None)
+        if bind is not None:  # a controller prices drafts with the engine's measured costs
+            bind(self.cost_model)
         if self.speculator.needs_hidden_states:
             enable = getattr(target, "enable_features", None)
             if enable is None:
@@ -126,6 +140,7 @@ class SpeculativeEngine:
         lookahead: str | None = None,
         suffix_cache: str | None = None,
         self_draft: str | None = None,
+        auto_arms: str | None = None,
     ) -> SpeculativeEngine:
         """Load a target (a local HF directory, a GGUF file, or the bundled default model when
         both are ``None``) and build the speculator registered under ``method``.
@@ -136,6 +151,7 @@ class SpeculativeEngine:
         ``lookahead`` is ``"W,N,G"`` for method ``lookahead``; ``suffix_cache`` a file the
         ``suffix`` method loads and keeps saved; ``self_draft`` the layer choice of method
         ``self`` (default: the one ``specdec calibrate self`` saved for this model).
+        ``auto_arms`` restricts method ``auto`` to these speculators (``"suffix+draft"``).
         """
         spec = SpeculationConfig(
             method=method,
@@ -148,6 +164,7 @@ class SpeculativeEngine:
             lookahead=lookahead,
             suffix_cache=suffix_cache,
             self_draft=self_draft,
+            auto_arms=auto_arms,
         )
         loaded = (
             model if isinstance(model, LoadedModel) else load_model(model, gguf=gguf, dtype=dtype)
@@ -274,7 +291,7 @@ class SpeculativeEngine:
         if not self.adaptive:
             return FixedBudget(self.num_draft_tokens)
         # Sampled output depends on the drafts, so its budget must not depend on timing.
-        costs = self.cost_model if config.sampling.greedy else CostModel.prior()
+        costs = self.cost_model if config.sampling.greedy else self._cost_prior
         return AdaptiveBudget(self.num_draft_tokens, costs)
 
     def step(self, req: _Request) -> Acceptance:
@@ -302,7 +319,9 @@ class SpeculativeEngine:
         req.stats.verify_seconds += t2 - t1
         depth = max(tree.depths)
         req.stats.record_step(depth, acceptance.num_accepted)
-        self.cost_model.observe(len(tree), t2 - t1)
+        if hasattr(req.speculator, "last_choice"):  # a controller chose the drafter (auto)
+            req.stats.record_choice(req.speculator.last_choice if budget > 0 else "none")
+        self.cost_model.observe(len(tree), t2 - t1, tree=not tree.is_chain)
         self.cost_model.observe_draft(tree.num_drafted, t1 - t0)
         req.budget.observe(depth, acceptance.num_accepted)
         return acceptance

@@ -26,6 +26,7 @@ class RequestStats:
     lossless: bool = True  # False when an opt-in lossy acceptance rule (typical) decided
     drafted_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
+    choices: dict[str, int] = field(default_factory=dict)  # method auto: steps per speculator
 
     def record_step(self, drafted_depth: int, accepted: int) -> None:
         self.target_forwards += 1
@@ -37,6 +38,9 @@ class RequestStats:
         for i in range(accepted):
             self.accepted_at[i] += 1
 
+    def record_choice(self, speculator: str) -> None:
+        self.choices[speculator] = self.choices.get(speculator, 0) + 1
+
     @property
     def drafted_tokens(self) -> int:
         return sum(self.drafted_at)
@@ -47,7 +51,12 @@ class RequestStats:
 
     def snapshot(self) -> RequestStats:
         """An independent copy, safe to hand to another thread while decoding goes on."""
-        return replace(self, drafted_at=list(self.drafted_at), accepted_at=list(self.accepted_at))
+        return replace(
+            self,
+            drafted_at=list(self.drafted_at),
+            accepted_at=list(self.accepted_at),
+            choices=dict(self.choices),
+        )
 
     @property
     def tokens_per_s(self) -> float:
@@ -70,7 +79,7 @@ class RequestStats:
         return [a / d if d else 0.0 for a, d in pairs]
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "new_tokens": self.new_tokens,
             "seconds": round(self.seconds, 4),
@@ -86,3 +95,6 @@ class RequestStats:
             "draft_seconds": round(self.draft_seconds, 4),
             "verify_seconds": round(self.verify_seconds, 4),
         }
+        if self.choices:
+            out["choices"] = dict(sorted(self.choices.items()))
+        return out

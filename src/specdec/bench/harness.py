@@ -130,6 +130,7 @@ def make_record(
         "draft_seconds": s.draft_seconds if s else None,
         "verify_seconds": s.verify_seconds if s else None,
         "draft_fraction": s.draft_seconds / s.seconds if s and s.seconds > 0 else None,
+        "choices": dict(s.choices) if s and s.choices else None,
         "token_ids": list(out.token_ids),
         "identical": None,
         "first_diff": None,

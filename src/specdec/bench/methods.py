@@ -62,6 +62,32 @@ _HF_VARIANTS = {"hf": "greedy", "hf-prompt-lookup": "prompt-lookup", "hf-assiste
 _NEEDS_DRAFT = {"draft", "assisted", "medusa"}
 # methods whose optional argument (NAME:ARG) goes to this engine option
 _OPTIONAL_ARG = {"lookahead": "lookahead", "suffix": "suffix_cache", "self": "self_draft"}
+_OPTIONAL_ARG["auto"] = "auto_arms"  # auto:ARM+ARM=OPTION+...: see auto_options
+_AUTO_ARM_OPTION = {**_OPTIONAL_ARG, "draft": "draft", "medusa": "medusa", "eagle": "eagle"}
+
+
+def auto_options(arg: str) -> dict[str, Any]:
+    """Engine options for ``auto:ARMS``: ``+``-separated speculators, each optionally with
+    its option after ``=`` (``medusa=DIR[@TREE]``, ``draft=DIR|layers:N``, ``self=SPEC``,
+    ``lookahead=WxNxG``, ``suffix=FILE``).
+
+    >>> auto_options("suffix+medusa=heads@calibrated:8")
+    {'auto_arms': 'suffix+medusa', 'medusa': 'heads', 'tree': 'calibrated:8'}
+    """
+    names, options = [], {}
+    for item in arg.split("+"):
+        name, _, value = item.partition("=")
+        names.append(name)
+        if value:
+            if name not in _AUTO_ARM_OPTION or name == "auto":
+                raise UnknownMethodError(f"speculator {name!r} in auto:{arg} takes no option")
+            tree = None
+            if name == "medusa":
+                value, _, tree = value.partition("@")
+            options[_AUTO_ARM_OPTION[name]] = value
+            if name == "medusa":
+                options["tree"] = tree or None
+    return {"auto_arms": "+".join(names), **options}
 
 
 def parse_methods(
@@ -123,6 +149,8 @@ class EngineRunner:
             options = {"medusa": path, "tree": tree or None}
         elif spec.name in _OPTIONAL_ARG:
             options = {_OPTIONAL_ARG[spec.name]: spec.draft}
+        if spec.name == "auto" and spec.draft:
+            options = auto_options(spec.draft)
         self.engine = SpeculativeEngine.from_pretrained(
             loaded, method=spec.name, num_draft_tokens=num_draft_tokens, **options
         )

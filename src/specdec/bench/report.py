@@ -158,6 +158,36 @@ def identity_details(records: Sequence[Record]) -> list[str]:
     return lines
 
 
+def choice_table(records: Sequence[Record]) -> list[str]:
+    """For methods that choose a speculator per step (``auto``): the share of steps each
+    speculator drafted (``none``: plain steps), per task group."""
+    rows = []
+    for method in methods_in(records):
+        recs = [r for r in records if r["method"] == method and r.get("choices")]
+        if not recs:
+            continue
+        for g in [*groups_in(recs), OVERALL]:
+            total: dict[str, int] = {}
+            for r in recs:
+                if g == OVERALL or r["group"] == g:
+                    for arm, n in r["choices"].items():
+                        total[arm] = total.get(arm, 0) + n
+            steps = sum(total.values()) or 1
+            shares = ", ".join(
+                f"{arm} {n / steps:.0%}" for arm, n in sorted(total.items(), key=lambda x: -x[1])
+            )
+            rows.append(f"| `{method}` | {g} | {shares} |")
+    if not rows:
+        return []
+    head = [
+        "## Speculator chosen per step",
+        "",
+        "| Method | group | share of steps |",
+        "|---|---|---|",
+    ]
+    return [*head, *rows, ""]
+
+
 def render_markdown(
     records: Sequence[Record],
     meta: Mapping[str, Any],
@@ -243,6 +273,7 @@ def render_markdown(
             out.append(f"| `{m.method}` | " + " | ".join(cells) + " |")
         out.append("")
     out += pass_table(records)
+    out += choice_table(records)
     details = identity_details(records)
     out += ["## Identity with plain greedy decoding", ""]
     out += details or ["Every method produced exactly plain decoding's tokens on every prompt."]

@@ -1,4 +1,4 @@
-"""``specdec calibrate self``: choose self-speculation's draft layers and confidence stop."""
+"""``specdec calibrate self | cost``: per-model measurements the speculators start from."""
 
 from __future__ import annotations
 
@@ -117,3 +117,63 @@ def calibrate_self(
         }
         path = save_calibration(loaded, best.spec, details)
         err_console.print(f"saved self_draft {best.spec} for this model in {path}")
+
+
+@calibrate_app.command("cost")
+def calibrate_cost(
+    max_nodes: Annotated[
+        int, typer.Option("--max-nodes", help="Largest chain/tree measured (1..64).")
+    ] = 64,
+    repeats: Annotated[int, typer.Option("--repeats", help="Passes per size (median).")] = 5,
+    prefix_len: Annotated[
+        int, typer.Option("--prefix-len", help="Tokens in the cache while timing.")
+    ] = 200,
+    save: Annotated[bool, typer.Option("--save/--no-save", help="Save the measurement.")] = True,
+    threads: ThreadsOpt = None,
+    model: ModelOpt = None,
+    gguf: GgufOpt = None,
+    dtype: DtypeOpt = "float32",
+) -> None:
+    """Measure the target's verification cost T(n), n = 1..64, for chains and trees, and save
+    it for this model, dtype and device. The adaptive draft length and `--method auto` start
+    from these ratios T(n)/T(1) and keep refining them from the steps they time."""
+    from rich.table import Table
+    from tqdm import tqdm
+
+    from specdec.cli.common import load_target
+    from specdec.control.calibration import measure_verify_costs, save_cost_calibration
+    from specdec.errors import ConfigError
+
+    with user_errors():
+        if not 1 <= max_nodes <= 64:
+            raise ConfigError(f"--max-nodes must be in 1..64, got {max_nodes}")
+        if repeats < 1:
+            raise ConfigError(f"--repeats must be >= 1, got {repeats}")
+        loaded = load_target(model, gguf, dtype, threads)
+        calibration = measure_verify_costs(
+            loaded,
+            range(1, max_nodes + 1),
+            repeats=repeats,
+            prefix_len=prefix_len,
+            progress=lambda it: tqdm(it, desc="timing verification passes", unit="pass"),
+        )
+    chain, tree = calibration.ratios(False), calibration.ratios(True)
+    table = Table(
+        title=f"verification cost over a {calibration.prefix_len}-token cache "
+        f"({calibration.dtype}, {calibration.device}, {calibration.threads} threads)"
+    )
+    for col in ("n", "chain T(n) ms", "chain T(n)/T(1)", "tree T(n) ms", "tree T(n)/T(1)"):
+        table.add_column(col, justify="right")
+    shown = sorted({1, 2, 4, 8, 16, 24, 32, 48, 64, max_nodes} & set(chain))
+    for n in shown:
+        table.add_row(
+            str(n),
+            f"{calibration.chain[n] * 1e3:.1f}",
+            f"{chain[n]:.2f}",
+            f"{calibration.tree[n] * 1e3:.1f}",
+            f"{tree[n]:.2f}",
+        )
+    err_console.print(table)
+    if save:
+        path = save_cost_calibration(loaded, calibration)
+        err_console.print(f"saved the verification cost for this model in {path}")

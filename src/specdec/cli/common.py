@@ -25,7 +25,8 @@ MethodOpt = Annotated[
     typer.Option(
         "--method",
         "-m",
-        help="Speculator: none | prompt-lookup | draft | medusa | lookahead | suffix | self.",
+        help="Speculator: none | prompt-lookup | draft | medusa | lookahead | suffix | self "
+        "| auto (a controller picks one per step).",
     ),
 ]
 LookaheadOpt = Annotated[
@@ -50,6 +51,15 @@ SelfDraftOpt = Annotated[
         "--self-draft",
         help="Layers --method self drafts with (e.g. exit:8, skip:10-25, adapter:DIR); "
         "default: the choice `specdec calibrate self` saved for this model.",
+    ),
+]
+AutoArmsOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--arms",
+        help="Speculators --method auto chooses from, e.g. prompt-lookup+suffix (default: "
+        "prompt lookup, suffix, lookahead, and medusa/draft/self when --medusa/--draft/"
+        "--self-draft is given).",
     ),
 ]
 MedusaOpt = Annotated[

@@ -12,6 +12,7 @@ from rich.table import Table
 
 from specdec.cli.common import (
     AdaptiveOpt,
+    AutoArmsOpt,
     DraftOpt,
     DtypeOpt,
     GgufOpt,
@@ -33,11 +34,17 @@ from specdec.cli.common import (
 
 def _summary(title: str, stats: dict[str, Any]) -> str:
     acc = ", ".join(f"{a:.2f}" for a in stats["acceptance_by_position"]) or "-"
+    chosen = stats.get("choices")
+    picks = (
+        " | steps per speculator " + ", ".join(f"{k} {v}" for k, v in chosen.items())
+        if chosen
+        else ""
+    )
     return (
         f"{title}: {stats['new_tokens']} tokens in {stats['seconds']:.2f} s = "
         f"{stats['tokens_per_s']:.2f} tok/s | τ (mean accepted) {stats['mean_accepted']:.2f} | "
         f"target forwards {stats['target_forwards']} | acceptance by position [{acc}] | "
-        f"draft {stats['draft_seconds']:.2f} s, verify {stats['verify_seconds']:.2f} s"
+        f"draft {stats['draft_seconds']:.2f} s, verify {stats['verify_seconds']:.2f} s{picks}"
     )
 
 
@@ -55,6 +62,7 @@ def generate(
     lookahead: LookaheadOpt = None,
     suffix_cache: SuffixCacheOpt = None,
     self_draft: SelfDraftOpt = None,
+    arms: AutoArmsOpt = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n")] = 128,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
@@ -98,6 +106,7 @@ def generate(
             lookahead=lookahead,
             suffix_cache=str(suffix_cache) if suffix_cache else None,
             self_draft=self_draft,
+            auto_arms=arms,
         )
         use_chat = (
             chat if chat is not None else bool(getattr(engine.tokenizer, "chat_template", None))

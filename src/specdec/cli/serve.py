@@ -9,6 +9,7 @@ import typer
 
 from specdec.cli.common import (
     AdaptiveOpt,
+    AutoArmsOpt,
     DraftOpt,
     DtypeOpt,
     GgufOpt,
@@ -49,6 +50,7 @@ def serve(
     lookahead: LookaheadOpt = None,
     suffix_cache: SuffixCacheOpt = None,
     self_draft: SelfDraftOpt = None,
+    arms: AutoArmsOpt = None,
     dtype: DtypeOpt = "float32",
     host: Annotated[
         str, typer.Option(help="Interface to listen on (loopback by default).")
@@ -99,6 +101,7 @@ def serve(
             lookahead=lookahead,
             suffix_cache=str(suffix_cache) if suffix_cache else None,
             self_draft=self_draft,
+            auto_arms=arms,
         )
         app = create_app(engine, config)
     err_console.print(

@@ -69,31 +69,70 @@ def expected_tokens(alphas: list[float], k: int) -> float:
 
 @dataclass
 class CostModel:
-    """Verification time T(n) of an n-node tree: moving averages of measured passes, sizes not
-    yet seen extrapolated from T(1) with a prior slope (T(n)/T(1) = 1 + slope (n - 1)); and the
-    speculator's drafting time per token, a moving average too (zero in the frozen prior)."""
+    """Verification time T(n) of an n-node chain or tree, and drafting time per token.
+
+    Sizes measured on this run are moving averages of the observed passes; sizes not yet seen
+    are T(1) times a ratio T(n)/T(1): the calibrated one (``specdec calibrate cost``, the
+    prior) when present, else a generic slope (T(n)/T(1) = 1 + slope (n - 1)). Ratios carry
+    over from the calibration run even when the machine's load changes absolute times.
+    Drafting time per token is a moving average too (zero in the frozen prior).
+    """
 
     prior_slope: float = 0.06
     decay: float = 0.9
     frozen: bool = False
     seconds: dict[int, float] = field(default_factory=dict)
     draft_seconds_per_token: float = 0.0
+    chain_ratios: dict[int, float] = field(default_factory=dict)
+    tree_ratios: dict[int, float] = field(default_factory=dict)
+    tree_seconds: dict[int, float] = field(default_factory=dict)
 
     @classmethod
     def prior(cls) -> CostModel:
         """Fixed ratios, never updated: decisions that do not depend on timing."""
         return cls(frozen=True)
 
-    def cost(self, n: int) -> float:
-        if n in self.seconds:
-            return self.seconds[n]
-        return self.seconds.get(1, 1.0) * (1.0 + self.prior_slope * (n - 1))
+    @classmethod
+    def calibrated(cls, chain_ratios: dict[int, float], tree_ratios: dict[int, float]) -> CostModel:
+        """Start from measured ratios T(n)/T(1) (see :mod:`specdec.control.calibration`).
 
-    def observe(self, n: int, seconds: float) -> None:
+        >>> CostModel.calibrated({1: 1.0, 4: 1.2}, {4: 1.5}).cost(4, tree=True)
+        1.5
+        """
+        return cls(chain_ratios=dict(chain_ratios), tree_ratios=dict(tree_ratios))
+
+    def frozen_prior(self) -> CostModel:
+        """The calibrated ratios alone, never updated: for sampled requests, whose output
+        depends on the drafts and so must not depend on timing."""
+        return CostModel(
+            prior_slope=self.prior_slope,
+            frozen=True,
+            chain_ratios=dict(self.chain_ratios),
+            tree_ratios=dict(self.tree_ratios),
+        )
+
+    def cost(self, n: int, tree: bool = False) -> float:
+        """
+        >>> CostModel(seconds={1: 2.0}).cost(3)  # generic slope 0.06
+        2.24
+        """
+        measured = self.tree_seconds if tree and n > 1 else self.seconds
+        if n in measured:
+            return measured[n]
+        base = self.seconds.get(1, 1.0)
+        ratios = self.tree_ratios if tree else self.chain_ratios
+        if n in ratios:
+            return base * ratios[n]
+        if tree and n in self.chain_ratios:  # no tree calibration: a tree costs at least a chain
+            return base * self.chain_ratios[n]
+        return base * (1.0 + self.prior_slope * (n - 1))
+
+    def observe(self, n: int, seconds: float, tree: bool = False) -> None:
         if self.frozen:
             return
-        old = self.seconds.get(n)
-        self.seconds[n] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+        table = self.tree_seconds if tree and n > 1 else self.seconds
+        old = table.get(n)
+        table[n] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
 
     def draft_cost(self, k: int) -> float:
         """Seconds to draft ``k`` tokens: zero until measured (prompt lookup stays ~zero; a

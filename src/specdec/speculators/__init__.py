@@ -1,6 +1,6 @@
 """Speculators: each proposes a DraftTree; a registry maps method names to factories."""
 
-from specdec.speculators import draft_model, lookahead, medusa, none, prompt_lookup, self_spec
+from specdec.speculators import auto, draft_model, lookahead, medusa, none, prompt_lookup, self_spec
 from specdec.speculators.base import (
     DraftContext,
     Feedback,
@@ -23,6 +23,7 @@ __all__ = [
     "Speculator",
     "SuffixCache",
     "SuffixSpeculator",
+    "auto",
     "available",
     "build_speculator",
     "draft_model",

