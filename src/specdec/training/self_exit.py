@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 
-from specdec.errors import CheckpointError, ConfigError, DataError
+from specdec.errors import ConfigError, DataError
 from specdec.heads.self_exit import PrefixHead, SelfExitAdapter, SelfExitConfig, head_rows
 from specdec.target.loading import LoadedModel
+from specdec.training.checkpoint import load_training_state, save_training_state
 from specdec.training.data import Record, SelfDistilledData
 from specdec.training.feature_cache import fingerprint, load_cached, save_cached
 from specdec.training.progress import NullBar, ProgressFactory
@@ -208,7 +209,7 @@ def train_self_exit(
     step = 0
     state_path = out / CHECKPOINT
     if resume and state_path.is_file():
-        step = _load_state(state_path, adapter, opt, sched)
+        step, _ = load_training_state(state_path, adapter, opt, sched)
     rng = random.Random(config.seed * 7919 + step)
     order: list[int] = []
     bar = progress(total=total_steps, initial=step, desc="training self exit", unit="step")
@@ -233,7 +234,7 @@ def train_self_exit(
             bar.update(1)
             bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
             if step % config.checkpoint_every == 0 and step < total_steps:
-                _save_state(state_path, adapter, opt, sched, step)
+                save_training_state(state_path, adapter, opt, sched, step)
     finally:
         bar.close()
     adapter.eval()
@@ -260,32 +261,3 @@ def train_self_exit(
     return SelfExitTrainResult(
         out, step, len(train), len(held), agree, adapter.num_bytes(), seconds
     )
-
-
-def _save_state(
-    path: Path, adapter: SelfExitAdapter, opt: torch.optim.Optimizer, sched: Any, step: int
-) -> None:
-    tmp = path.with_suffix(".tmp")
-    state = {
-        "adapter": adapter.state_dict(),
-        "optimizer": opt.state_dict(),
-        "scheduler": sched.state_dict(),
-        "step": step,
-    }
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-
-
-def _load_state(
-    path: Path, adapter: SelfExitAdapter, opt: torch.optim.Optimizer, sched: Any
-) -> int:
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        adapter.load_state_dict(state["adapter"])
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        return int(state["step"])
-    except Exception as e:
-        raise CheckpointError(
-            f"cannot resume from {path} ({type(e).__name__}: {e}); delete it to start over"
-        ) from e

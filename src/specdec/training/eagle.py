@@ -1,0 +1,544 @@
+"""EAGLE drafter training on self-distilled data: frozen target, cached features, training-time
+test.
+
+Features: one target pass per sequence keeps, at every position, the hidden states the drafter
+reads (the final normed state for EAGLE-1; the low/middle/high layer outputs for EAGLE-3) and
+the target's top-``k`` next-token log-probabilities there (its own distribution, the soft
+label). Long prompts are cut to their last ``context`` tokens: the drafter needs recent context,
+not the whole prompt. Features are cached next to the checkpoint (float16), keyed by data,
+target and settings.
+
+Training-time test (EAGLE-3): the drafter is unrolled on its own outputs for ``ttt_steps``
+steps. Step 0 reads the target's features; step j reads step j-1's output states at the same
+positions, with the token j further along, at position p + j. Its attention sees step 0's
+(target-feature) keys causally and, of later steps, only its own position's keys: exactly what a
+node at depth j of a draft tree sees at serving time (the committed prefix and its ancestors).
+Feeding the *data's* tokens at later steps is exact for the chain in which every earlier draft
+was accepted, since the data is the target's own greedy output, so the held-out "simulated τ"
+(1 + Σ_j P(steps 0..j all right)) is the mean accepted length of greedy chain drafting.
+
+Loss per step j (weight ``decay^j``): cross-entropy against the target's top-k distribution at
+the predicted position (tokens outside the draft vocabulary contribute nothing); EAGLE-1 adds
+its feature regression (smooth L1 to the target's next hidden state), as in the paper.
+
+Multi-GPU: the loop runs through ``accelerate`` (model, optimiser and batches prepared by an
+``Accelerator``), so ``accelerate launch -m specdec.cli.main train eagle ...`` trains data-
+parallel; feature extraction runs on the main process first and the others read its cache.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from specdec.errors import ConfigError, DataError
+from specdec.heads.eagle import (
+    VARIANTS,
+    EagleConfig,
+    EagleHead,
+    causal_prefix_mask,
+    default_aux_layers,
+    extend_kv,
+    layer_config_from,
+)
+from specdec.target.loading import DEFAULT_GGUF_NAME, DEFAULT_MODEL_HUB_ID, LoadedModel
+from specdec.target.numerics import dense_weight
+from specdec.training.checkpoint import load_training_state, save_training_state
+from specdec.training.data import Record, SelfDistilledData
+from specdec.training.feature_cache import fingerprint, load_cached, save_cached
+from specdec.training.medusa import draft_vocabulary
+from specdec.training.progress import NullBar, ProgressFactory
+
+CHECKPOINT = "training_state.pt"
+
+
+@dataclass(frozen=True)
+class EagleTrainConfig:
+    variant: str = "eagle3"
+    aux_layers: tuple[int, ...] | None = None  # EAGLE-3; None = (2, L // 2, L - 3)
+    draft_vocab: int = 8192  # EAGLE-3 only; 0 = the full vocabulary
+    ttt_steps: int = 3  # unrolled steps (1 = plain teacher forcing)
+    step_decay: float = 0.8
+    feature_weight: float = 1.0  # EAGLE-1's regression term
+    topk_labels: int = 8  # target log-probabilities kept per position (the soft label)
+    context: int = 64  # prompt tokens kept before the response
+    epochs: float = 6.0
+    max_steps: int | None = None
+    lr: float = 1e-3
+    batch_sequences: int = 8
+    held_out: float = 0.05
+    eval_every: int = 100
+    checkpoint_every: int = 100
+    speculative_tokens: int = 5
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.variant not in VARIANTS:
+            raise ConfigError(f"unknown --variant {self.variant!r}; use one of {VARIANTS}")
+        if self.aux_layers is not None and self.variant != "eagle3":
+            raise ConfigError("--aux-layers is for --variant eagle3")
+        if self.draft_vocab < 0:
+            raise ConfigError(f"--draft-vocab must be >= 0 (0 = full), got {self.draft_vocab}")
+        if not 1 <= self.ttt_steps <= 16:
+            raise ConfigError(f"--ttt-steps must be in 1..16, got {self.ttt_steps}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ConfigError(f"--max-steps must be >= 1, got {self.max_steps}")
+        if self.epochs <= 0 or self.lr <= 0 or self.batch_sequences < 1 or self.topk_labels < 1:
+            raise ConfigError("epochs, lr, batch size and top-k labels must be positive")
+        if not 0.0 <= self.held_out < 1.0:
+            raise ConfigError(f"held-out fraction must be in [0, 1), got {self.held_out}")
+        if self.context < 1:
+            raise ConfigError(f"--context must be >= 1, got {self.context}")
+
+
+@dataclass
+class EagleTrainResult:
+    out_dir: Path
+    steps: int
+    train_positions: int
+    held_out_positions: int
+    draft_vocab_coverage: float
+    step_accuracy: list[float]  # held-out P(step j right | steps < j right)
+    simulated_tau: float
+    seconds: float
+    feature_seconds: float
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+@dataclass
+class SequenceFeatures:
+    """Per sequence (window): tokens, drafter inputs and the target's soft labels."""
+
+    tokens: list[torch.Tensor]  # [T] int64 each
+    features: list[torch.Tensor]  # [T, F] float16: drafter input at each position
+    final: list[torch.Tensor]  # [T, H] float16: final normed state (EAGLE-1 regression target)
+    top_ids: list[torch.Tensor]  # [T, k] int64: target's top-k next tokens at each position
+    top_logp: list[torch.Tensor]  # [T, k] float16
+    first_label: list[int]  # first position whose next token is a response token
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def positions(self) -> int:
+        return sum(len(t) - f for t, f in zip(self.tokens, self.first_label, strict=True))
+
+
+def feature_layers(config: EagleTrainConfig, num_layers: int) -> tuple[int, ...]:
+    """The target hidden-state indices the drafter reads: EAGLE-1 the final state, EAGLE-3
+    its auxiliary layers."""
+    if config.variant == "eagle1":
+        return (-1,)
+    return aux_layers(config, num_layers)
+
+
+def aux_layers(config: EagleTrainConfig, num_layers: int) -> tuple[int, ...]:
+    layers = tuple(config.aux_layers or default_aux_layers(num_layers))
+    for i in layers:
+        if not 0 <= i <= num_layers:
+            raise ConfigError(
+                f"--aux-layers {i} is out of range: the target has {num_layers} layers "
+                f"(hidden-state indices 0..{num_layers})"
+            )
+    return layers
+
+
+@torch.inference_mode()
+def extract_sequence_features(
+    loaded: LoadedModel,
+    records: Sequence[Record],
+    config: EagleTrainConfig,
+    cache_file: Path | None = None,
+    progress: ProgressFactory = NullBar,
+    desc: str = "target features",
+) -> SequenceFeatures:
+    """One target pass per sequence; cached in ``cache_file`` keyed by data, target, settings.
+
+    The cache holds both variants' inputs (the auxiliary layers and the final state), so an
+    EAGLE-1 and an EAGLE-3 drafter trained on the same data share one extraction."""
+    n_layers = int(loaded.model.config.num_hidden_layers)
+    layers = aux_layers(config, n_layers)
+    salt = f"eagle:{layers}:{config.topk_labels}:{config.context}"
+    key = fingerprint(records, loaded.identity(), salt)
+    cached = load_cached(cache_file, key)
+    if cached is None:
+        packed = _extract(loaded, records, config, layers, progress, desc)
+        save_cached(cache_file, key, packed)
+    else:
+        packed = cached[0]
+    return _unpack(packed, eagle1=config.variant == "eagle1")
+
+
+def _extract(
+    loaded: LoadedModel,
+    records: Sequence[Record],
+    config: EagleTrainConfig,
+    layers: tuple[int, ...],
+    progress: ProgressFactory,
+    desc: str,
+) -> dict[str, torch.Tensor]:
+    rows: dict[str, list[torch.Tensor]] = {k: [] for k in _PACKED}
+    bar = progress(total=len(records), desc=desc, unit="seq")
+    try:
+        for r in records:
+            start = max(0, r.prompt_len - config.context)
+            toks = torch.tensor(r.tokens[start:], dtype=torch.long)  # [T]
+            first = max(r.prompt_len - 1 - start, 0)
+            if len(toks) - first < 3:
+                bar.update(1)
+                continue
+            keep = len(toks) - first  # logits only where labels are read
+            res = loaded.model(input_ids=toks[None], output_hidden_states=True, logits_to_keep=keep)
+            states = res.hidden_states
+            logp = torch.log_softmax(res.logits[0].float(), -1)  # [keep, V]
+            top = logp.topk(config.topk_labels, dim=-1)
+            top_ids = torch.zeros(len(toks), config.topk_labels, dtype=torch.long)
+            top_logp = torch.full((len(toks), config.topk_labels), -30.0)
+            top_ids[first:], top_logp[first:] = top.indices, top.values
+            rows["tokens"].append(toks)
+            rows["aux"].append(torch.cat([states[i][0] for i in layers], -1).to(torch.float16))
+            rows["final"].append(states[-1][0].to(torch.float16))
+            rows["top_ids"].append(top_ids)
+            rows["top_logp"].append(top_logp.to(torch.float16))
+            rows["lengths"].append(torch.tensor([len(toks)]))
+            rows["first_label"].append(torch.tensor([first]))
+            bar.update(1)
+    finally:
+        bar.close()
+    if not rows["tokens"]:
+        raise DataError("no sequence has a response long enough to learn from")
+    return {k: torch.cat(v) for k, v in rows.items()}
+
+
+_PACKED = ("tokens", "aux", "final", "top_ids", "top_logp", "lengths", "first_label")
+
+
+def _unpack(t: dict[str, torch.Tensor], eagle1: bool) -> SequenceFeatures:
+    sizes = t["lengths"].tolist()
+
+    def split(x: torch.Tensor) -> list[torch.Tensor]:
+        return list(torch.split(x, sizes))
+
+    final = split(t["final"])
+    return SequenceFeatures(
+        split(t["tokens"]),
+        final if eagle1 else split(t["aux"]),
+        final,
+        split(t["top_ids"]),
+        split(t["top_logp"]),
+        t["first_label"].tolist(),
+    )
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor  # [B, T] (padded with 0)
+    features: torch.Tensor  # [B, T, F] float32
+    final: torch.Tensor  # [B, T, H] float32
+    top_ids: torch.Tensor  # [B, T, k] target ids (draft ids after to_draft)
+    top_p: torch.Tensor  # [B, T, k] probabilities
+    label_ok: torch.Tensor  # [B, T] bool: the next token is a response token (and exists)
+
+
+def collate(feats: SequenceFeatures, idx: Sequence[int]) -> Batch:
+    t_max = max(len(feats.tokens[i]) for i in idx)
+    b = len(idx)
+    f_dim = feats.features[idx[0]].shape[1]
+    h_dim = feats.final[idx[0]].shape[1]
+    k = feats.top_ids[idx[0]].shape[1]
+    batch = Batch(
+        torch.zeros(b, t_max, dtype=torch.long),
+        torch.zeros(b, t_max, f_dim),
+        torch.zeros(b, t_max, h_dim),
+        torch.zeros(b, t_max, k, dtype=torch.long),
+        torch.zeros(b, t_max, k),
+        torch.zeros(b, t_max, dtype=torch.bool),
+    )
+    for row, i in enumerate(idx):
+        n = len(feats.tokens[i])
+        batch.tokens[row, :n] = feats.tokens[i]
+        batch.features[row, :n] = feats.features[i].float()
+        batch.final[row, :n] = feats.final[i].float()
+        batch.top_ids[row, :n] = feats.top_ids[i]
+        batch.top_p[row, :n] = feats.top_logp[i].float().exp()
+        batch.label_ok[row, feats.first_label[i] : n - 1] = True
+    return batch
+
+
+def ttt_mask(t: int, step: int) -> torch.Tensor:
+    """Attention of unroll step ``step`` over the keys of steps 0..step.  # [1, T, (step+1) T]
+
+    Step 0's keys causally, later steps' keys only at the query's own position.
+
+    >>> ttt_mask(2, 1).int().tolist()
+    [[[1, 0, 1, 0], [1, 1, 0, 1]]]
+    """
+    blocks = [torch.ones(t, t, dtype=torch.bool).tril()]
+    blocks += [torch.eye(t, dtype=torch.bool)] * step
+    return torch.cat(blocks, dim=1)[None]
+
+
+@dataclass
+class StepStats:
+    loss: torch.Tensor
+    correct: list[torch.Tensor]  # per step: [B, T] bool, draft argmax == the data's token
+    valid: list[torch.Tensor]  # per step: [B, T] bool
+
+
+def unroll(
+    head: EagleHead, batch: Batch, to_draft: torch.Tensor, config: EagleTrainConfig
+) -> StepStats:
+    """The training-time-test unroll over one batch; loss and per-step correctness."""
+    b, t = batch.tokens.shape
+    state = head.fuse(batch.features)  # [B, T, H]
+    pos = torch.arange(t)[None].expand(b, t)
+    past: tuple[torch.Tensor, torch.Tensor] | None = None
+    draft_ids = to_draft[batch.top_ids]  # [B, T, k], -1 outside the draft vocabulary
+    total = batch.features.new_zeros(())
+    correct, valid_steps = [], []
+    for j in range(config.ttt_steps):
+        # step j at position p reads token p + j + 1 and predicts the target at p + j + 1
+        shift = j + 1
+        if shift >= t:
+            break
+        tokens = F.pad(batch.tokens[:, shift:], (0, shift))  # [B, T]
+        mask = causal_prefix_mask(t, 0) if j == 0 else ttt_mask(t, j)
+        out, kv = head(state, tokens, pos + j, past, mask)
+        past = extend_kv(past, kv)
+        # labels at position p + shift: the target's distribution after token p + shift
+        ids = F.pad(draft_ids[:, shift:], (0, 0, 0, shift), value=-1)  # [B, T, k]
+        probs = F.pad(batch.top_p[:, shift:], (0, 0, 0, shift))  # [B, T, k]
+        ok = F.pad(batch.label_ok[:, shift:], (0, shift))  # [B, T]
+        nxt = F.pad(batch.tokens[:, shift + 1 :], (0, shift + 1))  # data token p + shift + 1
+        # the readout (the costliest matmul) only where a label is read  # [M, Vd]
+        logp = torch.log_softmax(head.logits(out[ok]).float(), -1)
+        ids_ok = ids[ok]  # [M, k]
+        picked = logp.gather(-1, ids_ok.clamp_min(0)) * (ids_ok >= 0)
+        denom = ok.sum().clamp_min(1)
+        loss_j = -(probs[ok] * picked).sum() / denom
+        if head.config.variant == "eagle1" and config.feature_weight > 0:
+            tgt = F.pad(batch.final[:, shift:], (0, 0, 0, shift))  # [B, T, H]
+            reg = F.smooth_l1_loss(out, tgt, reduction="none").mean(-1)
+            loss_j = loss_j + config.feature_weight * (reg * ok).sum() / denom
+        total = total + config.step_decay**j * loss_j
+        nxt_draft = to_draft[nxt[ok]]  # [M]
+        right = torch.zeros_like(ok)
+        right[ok] = (logp.argmax(-1) == nxt_draft) & (nxt_draft >= 0)
+        correct.append(right)
+        valid_steps.append(ok)
+        state = out
+    return StepStats(total, correct, valid_steps)
+
+
+def chain_acceptance(stats: Sequence[StepStats]) -> tuple[list[float], float]:
+    """Per-step P(step j right | steps < j right), and 1 + Σ_j P(steps 0..j all right)."""
+    if not stats:
+        return [], 1.0
+    steps = len(stats[0].correct)
+    run_hits = [0] * steps
+    counted = 0
+    for s in stats:
+        alive = s.valid[-1].clone()
+        counted += int(alive.sum())
+        for j in range(steps):
+            alive = alive & s.correct[j]
+            run_hits[j] += int(alive.sum())
+    if counted == 0:
+        return [0.0] * steps, 1.0
+    p_all = [h / counted for h in run_hits]
+    cond = [p_all[0]] + [p_all[j] / p_all[j - 1] if p_all[j - 1] else 0.0 for j in range(1, steps)]
+    return cond, 1.0 + sum(p_all)
+
+
+@torch.inference_mode()
+def evaluate(
+    head: EagleHead, feats: SequenceFeatures, to_draft: torch.Tensor, config: EagleTrainConfig
+) -> tuple[list[float], float]:
+    was_training = head.training
+    head.eval()
+    stats = [
+        unroll(head, collate(feats, list(range(i, min(i + 8, len(feats))))), to_draft, config)
+        for i in range(0, len(feats), 8)
+    ]
+    head.train(was_training)
+    return chain_acceptance(stats)
+
+
+def build_head(
+    loaded: LoadedModel, config: EagleTrainConfig, train_recs: Sequence[Record]
+) -> EagleHead:
+    cfg = loaded.model.config
+    vocab = int(cfg.vocab_size)
+    reduced = config.variant == "eagle3" and 0 < config.draft_vocab < vocab
+    ec = EagleConfig(
+        variant=config.variant,
+        layer=layer_config_from(cfg),
+        vocab_size=vocab,
+        target_hidden_size=int(cfg.hidden_size),
+        aux_layers=feature_layers(config, int(cfg.num_hidden_layers)),
+        draft_vocab_size=config.draft_vocab if reduced else None,
+        target=loaded.identity(),
+        speculative_tokens=config.speculative_tokens,
+        fc_bias=config.variant == "eagle1",
+    )
+    emb = loaded.model.get_input_embeddings().weight.detach()
+    lm_head = dense_weight(loaded.model.get_output_embeddings())
+    head = EagleHead(ec, emb, lm_head)
+    if reduced:
+        head.set_vocabulary(draft_vocabulary(train_recs, config.draft_vocab, vocab).sort().values)
+    norm = getattr(getattr(loaded.model, "model", None), "norm", None)
+    head.init_from_target(getattr(norm, "weight", None), lm_head)
+    return head
+
+
+def train_eagle(
+    loaded: LoadedModel,
+    data: SelfDistilledData,
+    out_dir: str | os.PathLike[str],
+    config: EagleTrainConfig = EagleTrainConfig(),
+    *,
+    resume: bool = False,
+    progress: ProgressFactory = NullBar,
+    log: Any = None,
+    verifier_name: str | None = None,
+) -> EagleTrainResult:
+    """Train an EAGLE drafter for ``loaded`` on ``data``; save it in the speculators format."""
+    from accelerate import Accelerator
+
+    from specdec.heads.eagle_io import save_eagle
+
+    started = time.perf_counter()
+    data.check_target(loaded)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    accel = Accelerator(cpu=not torch.cuda.is_available())
+    torch.manual_seed(config.seed)
+    train_recs, eval_recs = data.split(config.held_out, config.seed)
+    t0 = time.perf_counter()
+    with accel.main_process_first():
+        train = extract_sequence_features(
+            loaded, train_recs, config, out / "features-train.safetensors", progress
+        )
+        held = (
+            extract_sequence_features(
+                loaded,
+                eval_recs,
+                config,
+                out / "features-heldout.safetensors",
+                progress,
+                "held-out features",
+            )
+            if eval_recs
+            else train
+        )
+    feature_seconds = time.perf_counter() - t0
+    head = build_head(loaded, config, train_recs)
+    vocab = head.config.vocab_size
+    to_draft = torch.full((vocab,), -1, dtype=torch.long)  # target id -> draft id  [V]
+    to_draft[head.draft_token_ids()] = torch.arange(head.config.out_size)
+    labels = torch.cat([t[f + 1 :] for t, f in zip(train.tokens, train.first_label, strict=True)])
+    coverage = float((to_draft[labels] >= 0).float().mean()) if len(labels) else 0.0
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
+    per_epoch = max(1, len(train) // config.batch_sequences)
+    total_steps = config.max_steps or max(1, round(config.epochs * per_epoch))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - s / total_steps)
+    )
+    step = 0
+    history: list[dict[str, float]] = []
+    state_path = out / CHECKPOINT
+    if resume and state_path.is_file():
+        step, history = load_training_state(state_path, head, opt, sched)
+    head, opt = accel.prepare(head, opt)
+    core: EagleHead = accel.unwrap_model(head)
+    rng = random.Random(config.seed * 7919 + step)
+    order: list[int] = []
+    bar = progress(total=total_steps, initial=step, desc=f"training {config.variant}", unit="step")
+    head.train()
+    try:
+        while step < total_steps:
+            if len(order) < config.batch_sequences:
+                fresh = list(range(len(train)))
+                rng.shuffle(fresh)
+                order += fresh
+            idx = order[: config.batch_sequences]
+            del order[: config.batch_sequences]
+            stats = unroll(core, collate(train, idx), to_draft, config)
+            opt.zero_grad(set_to_none=True)
+            accel.backward(stats.loss)
+            accel.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            step += 1
+            loss_value = float(stats.loss.detach())
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss_value:.3f}")
+            if step % config.eval_every == 0 or step == total_steps:
+                acc, tau = evaluate(core, held, to_draft, config)
+                entry = {"step": float(step), "loss": loss_value, "simulated_tau": tau}
+                entry.update({f"acc_step{j + 1}": a for j, a in enumerate(acc)})
+                history.append(entry)
+                if log is not None:
+                    per = " ".join(f"{a:.3f}" for a in acc)
+                    log(
+                        f"step {step}: loss {loss_value:.3f}, held-out τ {tau:.2f} (per step {per})"
+                    )
+            if step % config.checkpoint_every == 0 and step < total_steps and accel.is_main_process:
+                save_training_state(state_path, core, opt, sched, step, history)
+    finally:
+        bar.close()
+    acc, tau = evaluate(core, held, to_draft, config)
+    seconds = time.perf_counter() - started
+    if accel.is_main_process:
+        save_eagle(
+            core,
+            out,
+            verifier_name_or_path=verifier_name or default_verifier_name(loaded),
+            verifier_architectures=list(
+                getattr(loaded.model.config, "architectures", None) or [type(loaded.model).__name__]
+            ),
+            extra={
+                "training": {
+                    "data": str(Path(data.manifest.prompts_file).name),
+                    "records": len(data.records),
+                    "train_positions": train.positions,
+                    "held_out_positions": held.positions,
+                    "steps": step,
+                    "config": asdict(config),
+                    "draft_vocab_coverage": round(coverage, 4),
+                    "held_out_step_accuracy": [round(a, 4) for a in acc],
+                    "held_out_simulated_tau": round(tau, 3),
+                    "seconds": round(seconds, 1),
+                }
+            },
+        )
+        state_path.unlink(missing_ok=True)
+    return EagleTrainResult(
+        out_dir=out,
+        steps=step,
+        train_positions=train.positions,
+        held_out_positions=held.positions,
+        draft_vocab_coverage=coverage,
+        step_accuracy=acc,
+        simulated_tau=tau,
+        seconds=seconds,
+        feature_seconds=feature_seconds,
+        history=history,
+    )
+
+
+def default_verifier_name(loaded: LoadedModel) -> str:
+    """What the exported config names as the verifier: the Hub id for the bundled model (its
+    GGUF path means nothing to a vLLM server elsewhere), else the path it was loaded from."""
+    if Path(str(loaded.source)).name == DEFAULT_GGUF_NAME:
+        return DEFAULT_MODEL_HUB_ID
+    return str(loaded.source)

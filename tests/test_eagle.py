@@ -1,0 +1,368 @@
+"""EAGLE drafters: the head's incremental passes, EAGLE-2's dynamic tree (its mask, selection
+and sizing), training with training-time test, greedy equivalence on tiny real models, and
+lossless sampling through the statistical test of test_losslessness.
+
+Greedy equivalence runs in float32 on the tiny models, whose large init keeps argmax ties out
+(see conftest); both runs take every argmax from the target's own passes, so the comparison is
+exact equality of token ids.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec import SpeculativeEngine
+from specdec.errors import CheckpointError, ConfigError
+from specdec.heads.eagle import (
+    EagleConfig,
+    EagleHead,
+    causal_prefix_mask,
+    extend_kv,
+    layer_config_from,
+)
+from specdec.speculators import DraftContext
+from specdec.speculators.eagle import EagleSpeculator, EagleTree
+from specdec.target import HFTarget, LoadedModel, load_model
+from specdec.target.numerics import dense_weight
+from specdec.testing import MarkovTarget, word_tokenizer
+from specdec.training.data import generate_data, load_data
+from specdec.training.eagle import EagleTrainConfig, build_head, evaluate, extract_sequence_features
+from specdec.tree import DraftTree
+from specdec.verify import make_generator
+from tests.test_losslessness import ALPHA, V, lossless_pvalue, tables
+
+PROMPTS = [
+    "ROMEO: But soft, what light through yonder window breaks?",
+    "JULIET: O Romeo, Romeo! wherefore art thou Romeo?",
+    "Tell me about the king and the queen.",
+    "What news from the court today?",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir: Path) -> LoadedModel:
+    return load_model(tiny_model_dir)
+
+
+def random_head(loaded: LoadedModel, variant: str, seed: int = 0) -> EagleHead:
+    cfg = loaded.model.config
+    reduced = variant == "eagle3"
+    config = EagleConfig(
+        variant=variant,
+        layer=layer_config_from(cfg),
+        vocab_size=cfg.vocab_size,
+        target_hidden_size=cfg.hidden_size,
+        aux_layers=(1, 2, 3) if variant == "eagle3" else (-1,),
+        draft_vocab_size=200 if reduced else None,
+        fc_bias=variant == "eagle1",
+    )
+    torch.manual_seed(seed)
+    head = EagleHead(
+        config,
+        loaded.model.get_input_embeddings().weight,
+        dense_weight(loaded.model.get_output_embeddings()),
+    )
+    if reduced:
+        head.set_vocabulary(torch.randperm(cfg.vocab_size)[:200])
+    return head.eval()
+
+
+# -- the head ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("variant", ["eagle1", "eagle3"])
+def test_incremental_passes_equal_one_causal_pass(tiny, variant):
+    head = random_head(tiny, variant)
+    width = 3 * 64 if variant == "eagle3" else 64
+    g = torch.Generator().manual_seed(0)
+    feats = torch.randn(1, 7, width, generator=g)
+    tokens = torch.randint(0, 300, (1, 7), generator=g)
+    pos = torch.arange(7)[None]
+    with torch.no_grad():
+        full, _ = head(head.fuse(feats), tokens, pos)
+        a, kv = head(head.fuse(feats[:, :4]), tokens[:, :4], pos[:, :4])
+        b, _ = head(head.fuse(feats[:, 4:]), tokens[:, 4:], pos[:, 4:], kv)
+    torch.testing.assert_close(torch.cat([a, b], 1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_reduced_vocabulary_maps_draft_ids_to_target_ids(tiny):
+    head = random_head(tiny, "eagle3")
+    ids = head.draft_token_ids()
+    assert len(set(ids.tolist())) == 200
+    assert bool(head.t2d[ids].all()) and int(head.t2d.sum()) == 200
+    assert torch.equal(head.to_target_ids(torch.arange(200)), ids)
+
+
+def test_target_keeps_the_requested_hidden_layers(tiny):
+    target = HFTarget(tiny)
+    target.enable_features((1, 3, -1))
+    prompt = [5, 17, 42, 8]
+    target.begin(prompt)
+    ref = tiny.model(input_ids=torch.tensor([prompt]), output_hidden_states=True).hidden_states
+    want = torch.cat([ref[1][0], ref[3][0], ref[-1][0]], -1)[:-1]
+    torch.testing.assert_close(target.features, want, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ConfigError, match="out of range"):
+        HFTarget(tiny).enable_features((9,))
+
+
+# -- the dynamic tree ----------------------------------------------------------------------------
+def _context(tiny: LoadedModel, tokens: list[int], layers: Sequence[int]) -> DraftContext:
+    target = HFTarget(tiny)
+    target.enable_features(layers)
+    target.begin(tokens)
+    from specdec.config import SamplingConfig
+
+    return DraftContext(tokens, len(tokens), SamplingConfig(), make_generator(0), target.features)
+
+
+@pytest.mark.parametrize("variant", ["eagle1", "eagle3"])
+def test_every_tree_node_is_drafted_from_its_own_path(tiny, variant):
+    """The tree mask lets each expanded node see the committed prefix and its ancestors only:
+    its state equals running the drafter causally along its own path."""
+    head = random_head(tiny, variant)
+    spec = EagleSpeculator(head, EagleTree(depth=4, top_k=3, total_tokens=30, cost_slope=0.0))
+    tokens = [5, 17, 42, 8, 9, 11, 60]
+    context = _context(tiny, tokens, head.config.aux_layers)
+    with torch.no_grad():
+        h_root = spec.absorb(context)
+        assert h_root is not None
+        committed = spec._past
+        nodes = spec._expand(h_root, root_pos=len(tokens) - 1)
+        deep = [i for i, n in enumerate(nodes) if n.depth == 4]
+        assert deep and len({nodes[i].parent for i in deep}) > 1  # it branched
+        for leaf in deep[:4]:
+            path = []
+            a = leaf
+            while a >= 0:
+                path.append(a)
+                a = nodes[a].parent
+            path.reverse()  # depth 1 .. 4
+            state, past = h_root, committed
+            for depth, i in enumerate(path[:-1], start=1):
+                out, kv = head(
+                    state[None, None],
+                    torch.tensor([[nodes[i].token]]),
+                    torch.tensor([[len(tokens) - 2 + depth]]),
+                    past,
+                    causal_prefix_mask(1, past[0].shape[2]),
+                )
+                past = extend_kv(past, kv)
+                state = out[0, 0]
+            torch.testing.assert_close(nodes[leaf].state, state, atol=1e-5, rtol=1e-5)
+
+
+def test_selection_is_ancestor_closed_capped_and_priced(tiny):
+    head = random_head(tiny, "eagle3")
+    tokens = [5, 17, 42, 8, 9]
+    free = EagleSpeculator(head, EagleTree(depth=4, top_k=3, total_tokens=9, cost_slope=0.0))
+    tree = free.propose(_context(tiny, tokens, head.config.aux_layers), budget=100)
+    assert len(tree) == 10  # the cap, all of it: nodes are free
+    assert all(p < i for i, p in enumerate(tree.parents))
+    siblings = [tuple(tree.tokens[c] for c in ch) for ch in tree.children]
+    assert all(len(set(s)) == len(s) for s in siblings)
+    costly = EagleSpeculator(head, EagleTree(depth=4, top_k=3, total_tokens=9, cost_slope=5.0))
+    tree = costly.propose(_context(tiny, tokens, head.config.aux_layers), budget=100)
+    assert len(tree) == 1  # an untrained drafter's tree cannot pay for itself
+    assert len(free.propose(_context(tiny, tokens, head.config.aux_layers), budget=3)) == 4
+
+
+def test_tree_settings_parse_and_reject_bad_values():
+    assert EagleTree.parse("6,8,60") == EagleTree(6, 8, 60)
+    assert EagleTree.parse("3") == EagleTree(depth=3)
+    for bad in ["0,4,8", "a,b", "5,4,24,1"]:
+        with pytest.raises(ConfigError):
+            EagleTree.parse(bad)
+
+
+# -- training ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def data_dir(tiny, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    prompts = tmp_path_factory.mktemp("eagle_prompts") / "train.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in PROMPTS))
+    out = tmp_path_factory.mktemp("eagle_sd")
+    generate_data(tiny, prompts, out, max_new_tokens=24, batch_size=4, shard_size=4)
+    return out
+
+
+def _train_config(variant: str, **kw) -> EagleTrainConfig:
+    base = dict(
+        variant=variant,
+        aux_layers=(1, 2, 3) if variant == "eagle3" else None,
+        draft_vocab=96,
+        max_steps=120,
+        batch_sequences=4,
+        lr=1e-2,
+        eval_every=60,
+        held_out=0.0,  # four prompts of a random model: measure on what it learnt
+    )
+    base.update(kw)
+    return EagleTrainConfig(**base)
+
+
+@pytest.fixture(scope="module", params=["eagle1", "eagle3"])
+def trained(request, tiny, data_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    from specdec.training.eagle import train_eagle
+
+    variant = request.param
+    out = tmp_path_factory.mktemp(f"trained_{variant}")
+    result = train_eagle(tiny, load_data(data_dir, tiny), out, _train_config(variant))
+    return variant, out, result
+
+
+def test_training_raises_simulated_tau(tiny, data_dir, trained):
+    variant, _, result = trained
+    data = load_data(data_dir, tiny)
+    cfg = _train_config(variant)
+    feats = extract_sequence_features(tiny, data.records, cfg)
+    untrained = build_head(tiny, cfg, data.records)
+    to_draft = torch.full((untrained.config.vocab_size,), -1, dtype=torch.long)
+    to_draft[untrained.draft_token_ids()] = torch.arange(untrained.config.out_size)
+    _, tau_before = evaluate(untrained, feats, to_draft, cfg)
+    assert result.simulated_tau > tau_before + 0.5
+    assert len(result.step_accuracy) == cfg.ttt_steps
+    assert result.history and result.history[-1]["step"] == cfg.max_steps
+
+
+def test_trained_drafter_is_lossless_greedy_and_accepts(tiny, trained):
+    _, out, _ = trained
+    engine = SpeculativeEngine.from_pretrained(tiny, method="eagle", eagle=str(out))
+    accepted = 0
+    for prompt in PROMPTS[:3]:
+        plain = engine.generate(prompt, max_new_tokens=30, ignore_eos=True, speculate=False)
+        spec = engine.generate(prompt, max_new_tokens=30, ignore_eos=True)
+        assert spec.token_ids == plain.token_ids
+        assert spec.stats.target_forwards <= plain.stats.target_forwards
+    for prompt in PROMPTS:
+        accepted += engine.generate(prompt, max_new_tokens=24, chat=True).stats.accepted_tokens
+    assert accepted > 20  # on its training prompts the drafter is right most of the time
+
+
+def test_sampled_eagle_is_seeded(tiny, trained):
+    _, out, _ = trained
+    engine = SpeculativeEngine.from_pretrained(tiny, method="eagle", eagle=str(out))
+    a = engine.generate(PROMPTS[1], max_new_tokens=20, temperature=0.9, seed=3)
+    b = engine.generate(PROMPTS[1], max_new_tokens=20, temperature=0.9, seed=3)
+    assert a.token_ids == b.token_ids and a.stats.lossless
+
+
+class _StopAt:
+    """A progress bar that interrupts training after ``stop`` steps, like a killed run."""
+
+    stop = 3
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.n = kwargs.get("initial", 0)
+        self.training = str(kwargs.get("desc", "")).startswith("training")
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if self.training and self.n == self.stop:
+            raise KeyboardInterrupt
+
+    def set_postfix(self, *args, **kwargs) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_an_interrupted_run_resumes_from_its_checkpoint(tiny, data_dir, tmp_path):
+    from specdec.training.eagle import train_eagle
+
+    data = load_data(data_dir, tiny)
+    cfg = _train_config("eagle3", max_steps=4, eval_every=2, checkpoint_every=2)
+    with pytest.raises(KeyboardInterrupt):
+        train_eagle(tiny, data, tmp_path, cfg, progress=_StopAt)
+    assert (tmp_path / "training_state.pt").is_file()
+    resumed = train_eagle(tiny, data, tmp_path, cfg, resume=True)
+    assert [h["step"] for h in resumed.history] == [2.0, 4.0]  # step 2 came from the checkpoint
+    assert not (tmp_path / "training_state.pt").exists()
+    (tmp_path / "training_state.pt").write_bytes(b"broken")
+    with pytest.raises(CheckpointError, match="cannot resume"):
+        train_eagle(tiny, data, tmp_path, cfg, resume=True)
+
+
+def test_bad_settings_fail_fast(tiny):
+    with pytest.raises(ConfigError, match="needs --eagle"):
+        SpeculativeEngine.from_pretrained(tiny, method="eagle")
+    with pytest.raises(ConfigError, match="variant"):
+        EagleTrainConfig(variant="eagle2")
+    with pytest.raises(ConfigError, match="out of range"):
+        build_head(tiny, EagleTrainConfig(aux_layers=(1, 9)), [])
+    with pytest.raises(ConfigError, match="ttt"):
+        EagleTrainConfig(ttt_steps=0)
+
+
+# -- lossless sampling ---------------------------------------------------------------------------
+class FeatureMarkovTarget(MarkovTarget):
+    """The Markov table target of test_losslessness, also handing out 'hidden states': a
+    fixed random vector per committed token, so a real EAGLE head drafts real trees from it."""
+
+    def __init__(self, table: torch.Tensor, width: int) -> None:
+        super().__init__(table)
+        self.rows = torch.randn(table.shape[0], width, generator=torch.Generator().manual_seed(5))
+        self._features: torch.Tensor | None = None
+        self._tree: DraftTree | None = None
+
+    def enable_features(self, layers: Sequence[int] = (-1,)) -> None:
+        pass
+
+    def begin(self, prompt: Sequence[int]) -> None:
+        self._features = self.rows[list(prompt[:-1])] if len(prompt) > 1 else None
+
+    def verify(self, tree: DraftTree) -> torch.Tensor:
+        self._tree = tree
+        return super().verify(tree)
+
+    def commit(self, path: Sequence[int]) -> None:
+        assert self._tree is not None
+        self._features = self.rows[[self._tree.tokens[i] for i in path]]
+
+    @property
+    def features(self) -> torch.Tensor | None:
+        return self._features
+
+
+class CountingEagle(EagleSpeculator):
+    branching = 0
+
+    def propose(self, context, budget):
+        tree = super().propose(context, budget)
+        if any(len(c) >= 2 for c in tree.children):
+            CountingEagle.branching += 1
+        return tree
+
+
+def test_eagle_trees_sample_exactly_the_target_distribution():
+    """A real EAGLE head drafting dynamic trees (branching, several depths) over the Markov
+    target: through multi-draft rejection sampling the output follows p exactly."""
+    from transformers import LlamaConfig
+
+    hidden = 16
+    lc = layer_config_from(
+        LlamaConfig(
+            vocab_size=V,
+            hidden_size=hidden,
+            intermediate_size=32,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            num_hidden_layers=1,
+        )
+    )
+    config = EagleConfig("eagle1", lc, vocab_size=V, target_hidden_size=hidden, fc_bias=True)
+    g = torch.Generator().manual_seed(3)
+    head = EagleHead(
+        config, torch.randn(V, hidden, generator=g), torch.randn(V, hidden, generator=g)
+    )
+    CountingEagle.branching = 0
+    speculator = CountingEagle(head, EagleTree(depth=3, top_k=2, total_tokens=6, cost_slope=0.0))
+    target, _ = tables()
+    engine = SpeculativeEngine(
+        FeatureMarkovTarget(target, hidden), word_tokenizer(V), speculator, adaptive=False
+    )
+    pvalue = lossless_pvalue(engine)
+    assert pvalue > ALPHA, f"EAGLE sampling departs from p (chi-square p = {pvalue:.2e})"
+    assert CountingEagle.branching > 1000
