@@ -89,6 +89,7 @@ class SpeculationConfig:
     suffix_cache: str | None = None  # file the "suffix" method loads at start and saves to
     self_draft: str | None = None  # layer choice for method "self"; None = saved calibration
     auto_arms: str | None = None  # speculators method "auto" chooses from ("a+b"); None = all
+    osd: str | None = None  # directory method "osd" keeps its adapted heads in (and starts from)
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens < 1:

@@ -141,6 +141,7 @@ class SpeculativeEngine:
         suffix_cache: str | None = None,
         self_draft: str | None = None,
         auto_arms: str | None = None,
+        osd: str | None = None,
     ) -> SpeculativeEngine:
         """Load a target (a local HF directory, a GGUF file, or the bundled default model when
         both are ``None``) and build the speculator registered under ``method``.
@@ -152,6 +153,8 @@ class SpeculativeEngine:
         ``suffix`` method loads and keeps saved; ``self_draft`` the layer choice of method
         ``self`` (default: the one ``specdec calibrate self`` saved for this model).
         ``auto_arms`` restricts method ``auto`` to these speculators (``"suffix+draft"``).
+        ``osd`` is the directory where method ``osd`` (online-distilled Medusa heads, started
+        from ``medusa``) keeps its adapted state.
         """
         spec = SpeculationConfig(
             method=method,
@@ -165,6 +168,7 @@ class SpeculativeEngine:
             suffix_cache=suffix_cache,
             self_draft=self_draft,
             auto_arms=auto_arms,
+            osd=osd,
         )
         loaded = (
             model if isinstance(model, LoadedModel) else load_model(model, gguf=gguf, dtype=dtype)

@@ -63,6 +63,7 @@ _NEEDS_DRAFT = {"draft", "assisted", "medusa"}
 # methods whose optional argument (NAME:ARG) goes to this engine option
 _OPTIONAL_ARG = {"lookahead": "lookahead", "suffix": "suffix_cache", "self": "self_draft"}
 _OPTIONAL_ARG["auto"] = "auto_arms"  # auto:ARM+ARM=OPTION+...: see auto_options
+_OPTIONAL_ARG["osd"] = "osd"  # osd:MEDUSA_DIR[@STATE_DIR]
 _AUTO_ARM_OPTION = {**_OPTIONAL_ARG, "draft": "draft", "medusa": "medusa", "eagle": "eagle"}
 
 
@@ -74,14 +75,15 @@ def auto_options(arg: str) -> dict[str, Any]:
     >>> auto_options("suffix+medusa=heads@calibrated:8")
     {'auto_arms': 'suffix+medusa', 'medusa': 'heads', 'tree': 'calibrated:8'}
     """
-    names, options = [], {}
+    names: list[str] = []
+    options: dict[str, str | None] = {}
     for item in arg.split("+"):
         name, _, value = item.partition("=")
         names.append(name)
         if value:
             if name not in _AUTO_ARM_OPTION or name == "auto":
                 raise UnknownMethodError(f"speculator {name!r} in auto:{arg} takes no option")
-            tree = None
+            tree = ""
             if name == "medusa":
                 value, _, tree = value.partition("@")
             options[_AUTO_ARM_OPTION[name]] = value
@@ -151,6 +153,9 @@ class EngineRunner:
             options = {_OPTIONAL_ARG[spec.name]: spec.draft}
         if spec.name == "auto" and spec.draft:
             options = auto_options(spec.draft)
+        if spec.name == "osd" and spec.draft:  # osd:MEDUSA_DIR[@STATE_DIR]
+            heads, _, state = spec.draft.partition("@")
+            options = {"medusa": heads, "osd": state or None}
         self.engine = SpeculativeEngine.from_pretrained(
             loaded, method=spec.name, num_draft_tokens=num_draft_tokens, **options
         )

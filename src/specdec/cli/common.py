@@ -62,6 +62,15 @@ AutoArmsOpt = Annotated[
         "--self-draft is given).",
     ),
 ]
+OsdOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--osd",
+        help="Directory where --method osd (Medusa heads that keep learning from the requests "
+        "served, started from --medusa) keeps its adapted state; with --method auto it adds "
+        "that speculator.",
+    ),
+]
 MedusaOpt = Annotated[
     str | None,
     typer.Option("--medusa", help="Medusa checkpoint directory for --method medusa."),

@@ -21,6 +21,7 @@ from specdec.cli.common import (
     MedusaOpt,
     MethodOpt,
     ModelOpt,
+    OsdOpt,
     SelfDraftOpt,
     SuffixCacheOpt,
     ThreadsOpt,
@@ -63,6 +64,7 @@ def generate(
     suffix_cache: SuffixCacheOpt = None,
     self_draft: SelfDraftOpt = None,
     arms: AutoArmsOpt = None,
+    osd: OsdOpt = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n")] = 128,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
@@ -107,6 +109,7 @@ def generate(
             suffix_cache=str(suffix_cache) if suffix_cache else None,
             self_draft=self_draft,
             auto_arms=arms,
+            osd=osd,
         )
         use_chat = (
             chat if chat is not None else bool(getattr(engine.tokenizer, "chat_template", None))

@@ -18,6 +18,7 @@ from specdec.cli.common import (
     MedusaOpt,
     MethodOpt,
     ModelOpt,
+    OsdOpt,
     SelfDraftOpt,
     SuffixCacheOpt,
     TreeOpt,
@@ -51,6 +52,7 @@ def serve(
     suffix_cache: SuffixCacheOpt = None,
     self_draft: SelfDraftOpt = None,
     arms: AutoArmsOpt = None,
+    osd: OsdOpt = None,
     dtype: DtypeOpt = "float32",
     host: Annotated[
         str, typer.Option(help="Interface to listen on (loopback by default).")
@@ -102,6 +104,7 @@ def serve(
             suffix_cache=str(suffix_cache) if suffix_cache else None,
             self_draft=self_draft,
             auto_arms=arms,
+            osd=osd,
         )
         app = create_app(engine, config)
     err_console.print(

@@ -37,6 +37,7 @@ from specdec.errors import CheckpointError
 CONFIG = "config.json"
 WEIGHTS = "medusa.safetensors"
 MODEL_TYPE = "medusa"
+IGNORE = -100  # label of a position without a target (past the end, outside the draft vocab)
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,37 @@ class MedusaHeads(nn.Module):
         for head in self.heads:
             assert isinstance(head, MedusaHead)
             head.proj.weight.data.copy_(w)
+
+    def to_draft_ids(self, target_ids: torch.Tensor) -> torch.Tensor:
+        """Target token ids as draft-vocabulary ids; IGNORE for tokens outside the draft
+        vocabulary and for IGNORE labels."""
+        ids = target_ids.clamp_min(0)
+        if self.token_map is None:
+            out = ids.clone()
+        else:
+            to_draft = torch.full((self.config.vocab_size,), IGNORE, dtype=torch.long)  # [V]
+            to_draft[self.token_map] = torch.arange(len(self.token_map))
+            out = to_draft[ids]
+        out[target_ids == IGNORE] = IGNORE
+        return out
+
+    def loss(
+        self, hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Weighted sum over heads of the cross-entropy of head k against ``labels[:, k]``
+        (target token ids, IGNORE where unknown); a head without any label adds zero.
+        hidden [B, H], labels [B, K], weights [K]."""
+        draft = self.to_draft_ids(labels)  # [B, K]
+        logits = self(hidden)  # [B, K, V_draft]
+        losses = torch.stack(
+            [
+                nn.functional.cross_entropy(logits[:, k], draft[:, k], ignore_index=IGNORE)
+                if bool((draft[:, k] != IGNORE).any())
+                else logits.new_zeros(())
+                for k in range(self.config.num_heads)
+            ]
+        )  # [K]
+        return (weights * losses).sum()
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.token_map is None else self.token_map[draft_ids]

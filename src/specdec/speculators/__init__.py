@@ -1,6 +1,15 @@
 """Speculators: each proposes a DraftTree; a registry maps method names to factories."""
 
-from specdec.speculators import auto, draft_model, lookahead, medusa, none, prompt_lookup, self_spec
+from specdec.speculators import (
+    auto,
+    draft_model,
+    lookahead,
+    medusa,
+    none,
+    osd,
+    prompt_lookup,
+    self_spec,
+)
 from specdec.speculators.base import (
     DraftContext,
     Feedback,
@@ -30,6 +39,7 @@ __all__ = [
     "lookahead",
     "medusa",
     "none",
+    "osd",
     "prompt_lookup",
     "self_spec",
     "register",

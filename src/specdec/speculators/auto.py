@@ -164,6 +164,10 @@ class AutoSpeculator:
             )
             self._fresh = False
         controller = self._active
+        for name, arm in self.arms.items():
+            watch = getattr(arm, "watch", None)
+            if watch is not None:  # learners see every step's committed tokens and states
+                watch(self._context_for(name, context))
         root = context.tokens[-1]
         chain_cap = min(budget, self.config.max_draft)
         offers: dict[str, DraftTree] = {}
@@ -224,6 +228,8 @@ def parse_arms(text: str | None, config: SpeculationConfig) -> list[str]:
         names += [n for n, opt in (("medusa", config.medusa), ("draft", config.draft)) if opt]
         if config.self_draft:
             names.append("self")
+        if config.osd:
+            names.append("osd")
     known = [n for n in available() if n not in ("auto", "none")]
     for n in names:
         if n not in known:
@@ -240,6 +246,10 @@ def _build(target: LoadedModel, config: SpeculationConfig) -> Speculator:
     names = parse_arms(config.auto_arms, config)
     arms = [build_speculator(target, replace(config, method=n)) for n in names]
     num_layers = int(target.model.config.num_hidden_layers)
-    auto = AutoSpeculator(arms, num_draft_tokens=config.num_draft_tokens, num_layers=num_layers)
+    # the speed floor: the online learner must beat the static heads it started from
+    guards = {"osd": "medusa"} if {"osd", "medusa"} <= set(names) else {}
+    auto = AutoSpeculator(
+        arms, num_draft_tokens=config.num_draft_tokens, num_layers=num_layers, guards=guards
+    )
     # needs_hidden_states is per instance here (the arms decide), a class constant elsewhere
     return cast(Speculator, auto)

@@ -24,17 +24,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from specdec.errors import CheckpointError, ConfigError, DataError
-from specdec.heads.medusa import MedusaConfig, MedusaHeads
+from specdec.heads.medusa import IGNORE, MedusaConfig, MedusaHeads
 from specdec.target.loading import LoadedModel
 from specdec.target.numerics import dense_weight
 from specdec.training.data import Record, SelfDistilledData
 from specdec.training.feature_cache import fingerprint, load_cached, save_cached
 from specdec.training.progress import NullBar, ProgressFactory
 
-IGNORE = -100
 CHECKPOINT = "training_state.pt"
 
 
@@ -242,13 +240,8 @@ def train_medusa(
     )
     heads = MedusaHeads(mconfig, token_map)
     heads.init_from_lm_head(dense_weight(loaded.model.get_output_embeddings()))
-    to_draft = torch.full((vocab,), IGNORE, dtype=torch.long)  # target id -> draft id  [V]
-    if token_map is None:
-        to_draft = torch.arange(vocab)
-    else:
-        to_draft[token_map] = torch.arange(len(token_map))
     valid = train.labels != IGNORE
-    coverage = float((to_draft[train.labels.clamp_min(0)] != IGNORE)[valid].float().mean())
+    coverage = float((heads.to_draft_ids(train.labels) != IGNORE)[valid].float().mean())
     opt = torch.optim.AdamW(heads.parameters(), lr=config.lr, weight_decay=0.0)
     steps_per_epoch = max(1, len(train) // config.batch_positions)
     total_steps = config.max_steps or max(1, round(config.epochs * steps_per_epoch))
@@ -274,18 +267,7 @@ def train_medusa(
             idx = torch.tensor(order[: config.batch_positions])
             del order[: config.batch_positions]
             h = train.hidden[idx].float()  # [B, H]
-            labels = to_draft[train.labels[idx].clamp_min(0)]  # [B, K]
-            labels[train.labels[idx] == IGNORE] = IGNORE
-            logits = heads(h)  # [B, K, V_draft]
-            losses = torch.stack(
-                [
-                    F.cross_entropy(logits[:, k], labels[:, k], ignore_index=IGNORE)
-                    if bool((labels[:, k] != IGNORE).any())
-                    else logits.new_zeros(())
-                    for k in range(config.num_heads)
-                ]
-            )  # [K]
-            loss = (weights * losses).sum()
+            loss = heads.loss(h, train.labels[idx], weights)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()

@@ -1,0 +1,300 @@
+"""Online speculative decoding (OSD, Liu et al. 2023, arXiv 2310.07177): Medusa heads that keep
+learning from the traffic the engine serves.
+
+Every verification pass already computes the target's final hidden state at each committed
+position, and the committed tokens are the target's own output (greedy: its argmax). So each
+committed position t yields a training example for free: hidden state h_t -> the tokens at
+t+2 .. t+1+K, what Medusa head k must predict. :class:`OnlineMedusaSpeculator` collects these
+examples (from every step, whichever speculator drafted it) into a bounded buffer of recent
+traffic; a background thread trains a private copy of the heads on it and publishes a new,
+never again modified, copy every ``publish_every`` optimiser steps. ``propose`` reads the
+published heads once per step, so a step never mixes weights, and the swap never blocks
+decoding (one reference assignment). The adapted state (heads, optimiser-free) is saved to and
+restored from a directory in the Medusa checkpoint format.
+
+Lossless: the heads only propose; the target verifies every draft as for static Medusa.
+Guardrail: under ``--method auto`` with both static Medusa heads and this speculator, the
+controller does not choose it while its first-position acceptance is below the static one's.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import random
+import shutil
+import threading
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+
+from specdec.config import SpeculationConfig
+from specdec.errors import CheckpointError, ConfigError
+from specdec.heads.medusa import IGNORE, MedusaHeads, load_medusa
+from specdec.speculators.base import DraftContext, Feedback, register
+from specdec.speculators.medusa import MedusaSpeculator, check_heads_fit, resolve_topology
+from specdec.target import LoadedModel
+from specdec.tree import DraftTree
+from specdec.tree.topology import Topology
+
+
+@dataclass(frozen=True)
+class OnlineConfig:
+    """``buffer``: examples kept (oldest dropped); ``batch``: examples per optimiser step;
+    ``min_examples``: wait for this many before the first step; ``steps_per_round``: optimiser
+    steps per new batch of traffic, so training follows the traffic instead of spinning on a
+    stale buffer; ``publish_every``: optimiser steps between swaps."""
+
+    buffer: int = 8192
+    batch: int = 64
+    lr: float = 1e-3
+    min_examples: int = 64
+    steps_per_round: int = 4
+    publish_every: int = 4
+    head_decay: float = 0.8
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if min(self.buffer, self.batch, self.min_examples, self.steps_per_round) < 1:
+            raise ConfigError("online training needs positive buffer, batch, steps and minimum")
+        if self.publish_every < 1 or not self.lr > 0:
+            raise ConfigError("online training needs publish_every >= 1 and lr > 0")
+
+
+@dataclass(frozen=True)
+class Published:
+    """One immutable set of weights and its version (0 = the initial heads)."""
+
+    version: int
+    heads: MedusaHeads
+
+
+class OnlineTrainer:
+    """The bounded buffer and the background thread that distils it into the heads."""
+
+    def __init__(self, heads: MedusaHeads, config: OnlineConfig) -> None:
+        self.config = config
+        self._shadow = copy.deepcopy(heads).train()
+        for p in self._shadow.parameters():
+            p.requires_grad_(True)
+        self._opt = torch.optim.AdamW(self._shadow.parameters(), lr=config.lr, weight_decay=0.0)
+        k = heads.config.num_heads
+        self.num_heads = k
+        self._weights = torch.tensor([config.head_decay**i for i in range(k)])  # [K]
+        self.published = Published(0, _frozen_copy(heads))
+        self._buffer: deque[tuple[torch.Tensor, torch.Tensor]] = deque(maxlen=config.buffer)
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._new = 0
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._rng = random.Random(config.seed)
+        self.steps = 0
+        self.last_loss: float | None = None
+
+    @property
+    def examples(self) -> int:
+        with self._lock:
+            return len(self._buffer)
+
+    def add(self, hidden: torch.Tensor, labels: torch.Tensor) -> None:
+        """Queue examples: hidden [B, H], labels [B, K] target ids (IGNORE where unknown)."""
+        with self._wake:
+            for h, y in zip(hidden, labels, strict=True):
+                self._buffer.append((h, y))
+            self._new += len(hidden)
+            self._wake.notify()
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="osd-trainer", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._stop = False
+
+    def train_round(self) -> bool:
+        """Run ``steps_per_round`` optimiser steps if enough new traffic arrived; publishes as
+        configured. Returns whether it trained. (The thread calls it; tests may too.)"""
+        cfg = self.config
+        with self._lock:
+            if len(self._buffer) < cfg.min_examples or self._new < cfg.batch:
+                return False
+            self._new = 0
+            pool = list(self._buffer)
+        for _ in range(cfg.steps_per_round):
+            batch = self._rng.sample(pool, min(cfg.batch, len(pool)))
+            h = torch.stack([b[0] for b in batch]).float()  # [B, H]
+            y = torch.stack([b[1] for b in batch])  # [B, K]
+            with torch.enable_grad():
+                loss = self._shadow.loss(h, y, self._weights)
+                self._opt.zero_grad(set_to_none=True)
+                loss.backward()
+                self._opt.step()
+            self.last_loss = float(loss.detach())
+            self.steps += 1
+            if self.steps % cfg.publish_every == 0:
+                self.publish()
+        return True
+
+    def publish(self) -> None:
+        """Swap in a copy of the trained weights: one reference assignment, so a reader holds
+        either the old copy or the new one, never a mixture."""
+        self.published = Published(self.published.version + 1, _frozen_copy(self._shadow))
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stop and self._new < self.config.batch:
+                    self._wake.wait()
+                if self._stop:
+                    return
+            self.train_round()
+
+
+def _frozen_copy(heads: MedusaHeads) -> MedusaHeads:
+    out = copy.deepcopy(heads).eval()
+    for p in out.parameters():
+        p.requires_grad_(False)
+    return out
+
+
+class OnlineMedusaSpeculator:
+    """Medusa drafting from heads that a background thread keeps distilling (module doc)."""
+
+    name: ClassVar[str] = "osd"
+    produces_q: ClassVar[bool] = False
+    needs_hidden_states: ClassVar[bool] = True
+    drafts_trees: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        heads: MedusaHeads,
+        topology: Topology,
+        config: OnlineConfig | None = None,
+        *,
+        state_dir: str | os.PathLike[str] | None = None,
+        background: bool = True,
+    ) -> None:
+        self.trainer = OnlineTrainer(heads, config or OnlineConfig())
+        self.topology = topology
+        self.state_dir = None if state_dir is None else Path(state_dir)
+        self.background = background
+        self._pending: list[tuple[int, torch.Tensor]] = []  # (position, hidden [H]) awaiting labels
+        self._next = 0  # first position of this request whose hidden state is not collected
+        self.versions_used: list[int] = []  # the weight version each proposal used (for tests)
+        if background:
+            self.trainer.start()
+
+    @property
+    def version(self) -> int:
+        return self.trainer.published.version
+
+    def reset(self) -> None:
+        self._pending = []
+        self._next = 0
+
+    # -- learning from traffic --------------------------------------------------------------------
+    def watch(self, context: DraftContext) -> None:
+        """Collect this step's examples; called every step, whichever speculator drafts (and
+        again by ``propose``: positions already collected are skipped).
+
+        ``context.features`` row j is the hidden state at the position that produced committed
+        token ``len(tokens) - M + j`` (M rows); that state's labels are the K tokens after the
+        one it produced, known once they are committed. Only states whose labels are the
+        target's output (not the user's prompt) are kept."""
+        tokens, feats = context.tokens, context.features
+        if len(tokens) < self._next:  # a new request without reset()
+            self.reset()
+        if feats is not None and len(feats):
+            first = len(tokens) - len(feats) - 1  # position of row 0
+            start = max(self._next, context.prompt_len - 1, first)
+            if start < len(tokens) - 1:
+                with torch.inference_mode(False):  # the trainer needs ordinary tensors
+                    rows = feats[start - first :].detach().float().clone()  # [R, H]
+                self._pending.extend((start + i, rows[i]) for i in range(len(rows)))
+                self._next = len(tokens) - 1
+        self._emit(tokens, final=False)
+
+    def _emit(self, tokens: Sequence[int], final: bool) -> None:
+        k = self.trainer.num_heads
+        ready = [(p, h) for p, h in self._pending if final or p + 1 + k < len(tokens)]
+        if not ready:
+            return
+        self._pending = [(p, h) for p, h in self._pending if not (final or p + 1 + k < len(tokens))]
+        hidden = torch.stack([h for _, h in ready])  # [B, H]
+        labels = torch.full((len(ready), k), IGNORE, dtype=torch.long)  # [B, K]
+        for i, (p, _) in enumerate(ready):
+            future = tokens[p + 2 : p + 2 + k]
+            labels[i, : len(future)] = torch.tensor(future, dtype=torch.long)
+        self.trainer.add(hidden, labels)
+
+    def end_request(self, tokens: list[int], prompt_len: int) -> None:
+        self._emit(tokens, final=True)
+        if self.state_dir is not None:
+            self.save(self.state_dir)
+
+    # -- drafting ---------------------------------------------------------------------------------
+    def propose(self, context: DraftContext, budget: int) -> DraftTree:
+        self.watch(context)
+        snapshot = self.trainer.published  # read once: one set of weights for the whole step
+        self.versions_used.append(snapshot.version)
+        del self.versions_used[:-1024]
+        return MedusaSpeculator(snapshot.heads, self.topology).propose(context, budget)
+
+    def observe(self, feedback: Feedback) -> None:
+        pass  # examples come from the committed tokens and states (watch), not from drafts
+
+    # -- state ------------------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the published heads as a Medusa checkpoint, replacing ``path`` whole (a crash
+        leaves the old or the new state, and a leftover ``.new`` directory)."""
+        out = Path(path)
+        tmp = out.with_name(out.name + ".new")
+        shutil.rmtree(tmp, ignore_errors=True)
+        snap = self.trainer.published
+        snap.heads.save(tmp, extra={"online": {"version": snap.version}})
+        old = out.with_name(out.name + ".old")
+        if out.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+
+    def close(self) -> None:
+        self.trainer.stop()
+
+
+def initial_heads(config: SpeculationConfig, target: LoadedModel) -> MedusaHeads:
+    """A saved adapted state (``config.osd``) when there is one, else the static heads."""
+    state = Path(config.osd) if config.osd else None
+    if state is not None and state.is_dir():
+        heads = load_medusa(state)
+    elif config.medusa:
+        heads = load_medusa(config.medusa)
+    else:
+        raise ConfigError(
+            "method osd starts from trained Medusa heads: pass --medusa DIR (and --osd DIR to "
+            "keep the adapted state across restarts)"
+        )
+    try:
+        check_heads_fit(heads, target)
+    except CheckpointError as e:
+        raise CheckpointError(f"{e} (online heads {state or config.medusa})") from None
+    return heads
+
+
+@register("osd")
+def _build(target: LoadedModel, config: SpeculationConfig) -> OnlineMedusaSpeculator:
+    heads = initial_heads(config, target)
+    return OnlineMedusaSpeculator(heads, resolve_topology(config.tree, heads), state_dir=config.osd)

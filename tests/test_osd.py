@@ -1,0 +1,158 @@
+"""Online-distilled Medusa heads (method ``osd``): they learn from served traffic in a
+background thread, swap weights atomically between steps, stay lossless, and save/restore.
+
+All on a tiny random float64 target built from a config (no argmax ties), with heads started
+from the target's LM head, as `specdec train medusa` starts them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec import SpeculativeEngine
+from specdec.errors import CheckpointError, ConfigError
+from specdec.heads.medusa import MedusaConfig, MedusaHeads, load_medusa
+from specdec.speculators.osd import OnlineConfig, OnlineMedusaSpeculator, OnlineTrainer
+from specdec.target import HFTarget, load_model
+from specdec.tree.topology import load_topology
+
+PROMPTS = [
+    "ROMEO: But soft, what light",
+    "the the the the the the the",
+    "KING RICHARD III: Now is the winter of our discontent made glorious summer by",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny64(tiny_model_dir: Path):
+    return load_model(tiny_model_dir, dtype="float64")
+
+
+@pytest.fixture(scope="module")
+def heads_dir(tiny64, tmp_path_factory) -> Path:
+    cfg = tiny64.model.config
+    mcfg = MedusaConfig(cfg.hidden_size, cfg.vocab_size, num_heads=3, target=tiny64.identity())
+    heads = MedusaHeads(mcfg)
+    heads.init_from_lm_head(tiny64.model.get_output_embeddings().weight)
+    out = tmp_path_factory.mktemp("heads")
+    heads.save(out)
+    return out
+
+
+def fingerprint(heads: MedusaHeads) -> str:
+    h = hashlib.sha256()
+    for name, t in sorted(heads.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def test_learns_from_traffic_and_stays_lossless_while_swapping(tiny64, heads_dir, tmp_path):
+    """Decode while the background thread trains and publishes every step: outputs equal
+    plain decoding, weights are swapped many times, each proposal used one published copy,
+    and no published copy was ever modified after publication (so no step saw a mixture)."""
+    engine = SpeculativeEngine.from_pretrained(
+        tiny64, method="osd", medusa=str(heads_dir), osd=str(tmp_path / "state")
+    )
+    spec = engine.speculator
+    assert isinstance(spec, OnlineMedusaSpeculator)
+    trainer = spec.trainer
+    trainer.stop()
+    trainer.config = OnlineConfig(batch=8, min_examples=8, steps_per_round=1, publish_every=1)
+    published: dict[int, tuple[MedusaHeads, str]] = {}
+    original = trainer.publish
+
+    def publish_and_record() -> None:
+        original()
+        snap = trainer.published
+        published[snap.version] = (snap.heads, fingerprint(snap.heads))
+
+    trainer.publish = publish_and_record  # type: ignore[method-assign]
+    trainer.start()
+    try:
+        for _ in range(3):
+            for prompt in PROMPTS:
+                plain = engine.generate(prompt, max_new_tokens=30, ignore_eos=True, speculate=False)
+                out = engine.generate(prompt, max_new_tokens=30, ignore_eos=True)
+                assert out.token_ids == plain.token_ids
+    finally:
+        trainer.stop()
+    assert trainer.steps > 5 and spec.version > 5, (trainer.steps, spec.version)
+    assert len(set(spec.versions_used)) > 2  # decoding really ran across several swaps
+    for version, (heads, digest) in published.items():
+        assert fingerprint(heads) == digest, version  # never modified after publication
+    assert (tmp_path / "state" / "config.json").is_file()  # saved at each request's end
+
+
+def test_training_lowers_the_loss_on_the_traffic(tiny64, heads_dir):
+    """Synchronous rounds (no thread) on one repeated request: the heads learn it."""
+    heads = load_medusa(heads_dir)
+    topo = load_topology("sparse-8", heads.config.num_heads)
+    cfg = OnlineConfig(batch=16, min_examples=16, steps_per_round=10, publish_every=5, lr=3e-3)
+    spec = OnlineMedusaSpeculator(heads, topo, cfg, background=False)
+    engine = SpeculativeEngine(HFTarget(tiny64), tiny64.tokenizer, spec, loaded=tiny64)
+    taus = []
+    for _ in range(6):
+        out = engine.generate(PROMPTS[0], max_new_tokens=40, ignore_eos=True)
+        taus.append(out.stats.mean_accepted)
+        while spec.trainer.train_round():
+            pass
+    assert spec.trainer.steps >= 10 and spec.version >= 2
+    assert spec.trainer.last_loss is not None
+    assert taus[-1] > taus[0], taus  # the heads now draft this answer
+
+
+def test_save_and_restore(tiny64, heads_dir, tmp_path):
+    heads = load_medusa(heads_dir)
+    topo = load_topology("sparse-8", heads.config.num_heads)
+    spec = OnlineMedusaSpeculator(heads, topo, OnlineConfig(), background=False)
+    with torch.no_grad():
+        spec.trainer._shadow.heads[0].proj.weight.add_(1.0)
+    spec.trainer.publish()
+    spec.save(tmp_path / "state")
+    spec.save(tmp_path / "state")  # replacing an existing state
+    restored = SpeculativeEngine.from_pretrained(
+        tiny64, method="osd", medusa=str(heads_dir), osd=str(tmp_path / "state")
+    ).speculator
+    assert fingerprint(restored.trainer.published.heads) == fingerprint(
+        spec.trainer.published.heads
+    )
+    restored.close()
+
+
+def test_bad_configurations(tiny64, other_vocab_model_dir, tmp_path):
+    with pytest.raises(ConfigError, match="--medusa"):
+        SpeculativeEngine.from_pretrained(tiny64, method="osd")
+    with pytest.raises(CheckpointError):
+        SpeculativeEngine.from_pretrained(tiny64, method="osd", medusa=str(other_vocab_model_dir))
+    with pytest.raises(ConfigError):
+        OnlineConfig(batch=0)
+
+
+def test_auto_guards_the_learner_with_the_static_heads(tiny64, heads_dir, tmp_path):
+    engine = SpeculativeEngine.from_pretrained(
+        tiny64, method="auto", medusa=str(heads_dir), osd=str(tmp_path / "s")
+    )
+    auto = engine.speculator
+    assert {"medusa", "osd"} <= set(auto.arms)
+    assert next(s for s in auto.specs if s.name == "osd").guard == "medusa"
+    for prompt in PROMPTS:
+        plain = engine.generate(prompt, max_new_tokens=24, ignore_eos=True, speculate=False)
+        assert engine.generate(prompt, max_new_tokens=24, ignore_eos=True).token_ids == (
+            plain.token_ids
+        )
+    assert auto.arms["osd"].trainer.examples > 0  # it watched every step, drafting or not
+    auto.arms["osd"].close()
+
+
+def test_trainer_thread_stops(tiny64, heads_dir):
+    trainer = OnlineTrainer(load_medusa(heads_dir), OnlineConfig())
+    trainer.start()
+    thread = trainer._thread
+    assert thread is not None and thread.is_alive()
+    trainer.stop()
+    assert not thread.is_alive()
