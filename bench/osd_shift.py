@@ -25,7 +25,10 @@ import torch
 
 from specdec import SpeculativeEngine
 from specdec.config import GenerationConfig
-from specdec.target import load_model
+from specdec.heads.medusa import load_medusa
+from specdec.speculators.medusa import resolve_topology
+from specdec.speculators.osd import OnlineConfig, OnlineMedusaSpeculator
+from specdec.target import HFTarget, load_model
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "train"
 
@@ -65,6 +68,7 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=10, help="requests per table row")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lr", type=float, default=OnlineConfig().lr, help="online learning rate")
     ap.add_argument("--out", type=Path, default=Path("osd-shift"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -73,9 +77,14 @@ def main() -> None:
     stream = [(d, p) for d in args.domains.split(",") for p in DOMAINS[d](args.per_domain, rng)]
     loaded = load_model(None)
     static = SpeculativeEngine.from_pretrained(loaded, method="medusa", medusa=args.medusa)
-    online = SpeculativeEngine.from_pretrained(
-        loaded, method="osd", medusa=args.medusa, osd=str(args.out / "osd-state")
+    heads = load_medusa(args.medusa)
+    learner = OnlineMedusaSpeculator(
+        heads,
+        resolve_topology(None, heads),
+        OnlineConfig(lr=args.lr),
+        state_dir=args.out / "osd-state",
     )
+    online = SpeculativeEngine(HFTarget(loaded), loaded.tokenizer, learner, loaded=loaded)
     static.generate("Name three colours.", max_new_tokens=8)  # warm-up, outside the stream
     records = []
     with (args.out / "results.jsonl").open("w") as sink:
@@ -90,8 +99,8 @@ def main() -> None:
                 )
                 row[f"{name}_seconds"] = time.perf_counter() - t0
             row["identical"] = outs["static"] == outs["adaptive"]
-            row["osd_version"] = online.speculator.version
-            row["osd_steps"] = online.speculator.trainer.steps
+            row["osd_version"] = learner.version
+            row["osd_steps"] = learner.trainer.steps
             records.append(row)
             sink.write(json.dumps(row) + "\n")
             sink.flush()
@@ -101,7 +110,7 @@ def main() -> None:
                 f"{row['adaptive_tps']:.1f} | weights v{row['osd_version']}",
                 flush=True,
             )
-    online.speculator.close()
+    learner.close()
     write_report(records, args)
 
 
@@ -109,7 +118,8 @@ def write_report(records: list[dict], args: argparse.Namespace) -> None:
     lines = [
         "# Distribution shift: static vs online-distilled Medusa heads",
         "",
-        f"Heads `{args.medusa}`; domains {args.domains}, {args.per_domain} requests each, "
+        f"Heads `{args.medusa}`, online learning rate {args.lr:g}; domains {args.domains}, "
+        f"{args.per_domain} requests each, "
         f"{args.max_new_tokens} new tokens, greedy, {args.threads} torch thread(s); static and "
         "adaptive interleaved per request on the same target. Outputs identical: "
         f"{sum(r['identical'] for r in records)}/{len(records)}.",

@@ -339,3 +339,38 @@ def test_doctests():
 
     for module in (budget, calibration, auto, methods):
         assert doctest.testmod(module).failed == 0, module.__name__
+
+
+def test_calibrate_cost_cli(tiny_model_dir, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from specdec.cli.main import app
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    args = ["calibrate", "cost", "--model", str(tiny_model_dir), "--max-nodes", "3"]
+    result = CliRunner().invoke(app, [*args, "--repeats", "1", "--threads", "1"])
+    assert result.exit_code == 0, result.output
+    assert "saved the verification cost" in result.output
+    saved = json.loads(next((tmp_path / "specdec" / "cost").glob("*.json")).read_text())
+    assert set(saved["chain_ratio"]) == {"1", "2", "3"} and saved["target"]["hidden_size"] == 64
+    bad = CliRunner().invoke(app, ["calibrate", "cost", "--max-nodes", "65"])
+    assert bad.exit_code == 2 and "--max-nodes" in bad.output
+
+
+def test_bench_runs_auto_and_reports_its_choices():
+    from specdec.bench.methods import parse_methods
+    from specdec.bench.report import choice_table
+
+    specs = parse_methods("auto:suffix+prompt-lookup,auto")
+    assert [(s.name, s.draft) for s in specs[1:]] == [
+        ("auto", "suffix+prompt-lookup"),
+        ("auto", None),
+    ]
+    records = [
+        {"method": "auto", "group": "qa", "choices": {"suffix": 3, "none": 1}},
+        {"method": "auto", "group": "rag", "choices": {"prompt-lookup": 4}},
+        {"method": "none", "group": "qa", "choices": None},
+    ]
+    table = "\n".join(choice_table(records))
+    assert "| `auto` | qa | suffix 75%, none 25% |" in table
+    assert "| `auto` | overall | prompt-lookup 50%, suffix 38%, none 12% |" in table

@@ -51,7 +51,7 @@ class OnlineConfig:
 
     buffer: int = 8192
     batch: int = 64
-    lr: float = 1e-3
+    lr: float = 1e-4
     min_examples: int = 64
     steps_per_round: int = 4
     publish_every: int = 4
