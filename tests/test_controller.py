@@ -129,6 +129,8 @@ def test_chains_are_cut_to_the_length_that_pays():
     ctl.state["a"].alphas = [0.9, 0.05, 0.05, 0.05, 0.05]
     assert ctl.choose({"a": chain(5)}, cap=5).size == 1
     assert ctl.choose({"a": chain(5)}, cap=0).arm is None  # no room left: nothing
+    trees = Controller([ArmSpec("la", tree=True)], flat_costs(slope=0.01))
+    assert trees.choose({"la": chain(5)}, cap=2).size == 5  # a tree drafter's draft: whole
 
 
 def test_guardrail_stops_an_adaptive_arm_below_its_static_one():

@@ -17,7 +17,9 @@ Arms come in two kinds:
 
 * **offered** (free drafters: prompt lookup, suffix cache, lookahead): they have already
   proposed this step's draft (microseconds), so the controller prices the actual draft; an
-  empty draft is no option, and a chain can be cut to its best length. Drafting time is spent.
+  empty draft is no option, and a chain speculator's draft can be cut to its best length (a
+  tree speculator's draft is taken whole: lookahead reads its own tree back). Drafting time
+  is spent.
 * **on demand** (costly drafters: draft model, self-speculation, Medusa, EAGLE, the online
   learner): the controller decides from the estimates alone whether to run them and, for
   chains, how many tokens to ask for, charging their measured drafting time.
@@ -182,7 +184,7 @@ class Controller:
 
             if not isinstance(offer, DraftTree) or offer.num_drafted == 0:
                 return 0, 0.0
-            if offer.is_chain:
+            if offer.is_chain and not spec.tree:  # a tree drafter's draft is taken whole
                 return self._chain_best(spec, min(cap, offer.num_drafted))
             return offer.num_drafted, self._tree_rate(spec, max(offer.depths), len(offer))
         if spec.tree:

@@ -188,7 +188,7 @@ class AutoSpeculator:
                 )
             else:
                 tree = offers[spec.name]
-                if tree.is_chain and tree.num_drafted > choice.size:
+                if not spec.tree and tree.num_drafted > choice.size:
                     tree = _cut_chain(tree, choice.size)
         if tree.num_drafted == 0:
             choice = Choice(None)
