@@ -31,7 +31,13 @@ from specdec.target import HFTarget, LoadedModel, load_model
 from specdec.target.numerics import dense_weight
 from specdec.testing import MarkovTarget, word_tokenizer
 from specdec.training.data import generate_data, load_data
-from specdec.training.eagle import EagleTrainConfig, build_head, evaluate, extract_sequence_features
+from specdec.training.eagle import (
+    EagleTrainConfig,
+    build_head,
+    evaluate,
+    extract_sequence_features,
+    readout_for,
+)
 from specdec.tree import DraftTree
 from specdec.verify import make_generator
 from tests.test_losslessness import ALPHA, V, lossless_pvalue, tables
@@ -169,6 +175,21 @@ def test_selection_is_ancestor_closed_capped_and_priced(tiny):
     assert len(free.propose(_context(tiny, tokens, head.config.aux_layers), budget=3)) == 4
 
 
+@pytest.mark.parametrize("variant", ["eagle1", "eagle3"])
+def test_a_saved_and_reloaded_drafter_proposes_the_same_trees(tiny, variant, tmp_path):
+    from specdec.heads.eagle_io import load_eagle, save_eagle
+
+    head = random_head(tiny, variant, seed=4)
+    save_eagle(head, tmp_path, verifier_name_or_path="tiny", verifier_architectures=["Llama"])
+    loaded = load_eagle(tmp_path, tiny)
+    tree = EagleTree(depth=4, top_k=3, total_tokens=12, cost_slope=0.0)
+    tokens = [5, 17, 42, 8, 9, 11]
+    for t in (tokens, tokens + [60, 61]):
+        a = EagleSpeculator(head, tree).propose(_context(tiny, t, head.config.aux_layers), 50)
+        b = EagleSpeculator(loaded, tree).propose(_context(tiny, t, head.config.aux_layers), 50)
+        assert (a.tokens, a.parents) == (b.tokens, b.parents) and len(a) == 13
+
+
 def test_tree_settings_parse_and_reject_bad_values():
     assert EagleTree.parse("6,8,60") == EagleTree(6, 8, 60)
     assert EagleTree.parse("3") == EagleTree(depth=3)
@@ -218,9 +239,7 @@ def test_training_raises_simulated_tau(tiny, data_dir, trained):
     cfg = _train_config(variant)
     feats = extract_sequence_features(tiny, data.records, cfg)
     untrained = build_head(tiny, cfg, data.records)
-    to_draft = torch.full((untrained.config.vocab_size,), -1, dtype=torch.long)
-    to_draft[untrained.draft_token_ids()] = torch.arange(untrained.config.out_size)
-    _, tau_before = evaluate(untrained, feats, to_draft, cfg)
+    _, tau_before = evaluate(untrained, feats, readout_for(untrained, cfg, data.records), cfg)
     assert result.simulated_tau > tau_before + 0.5
     assert len(result.step_accuracy) == cfg.ttt_steps
     assert result.history and result.history[-1]["step"] == cfg.max_steps

@@ -90,6 +90,8 @@ class SpeculationConfig:
     self_draft: str | None = None  # layer choice for method "self"; None = saved calibration
     auto_arms: str | None = None  # speculators method "auto" chooses from ("a+b"); None = all
     osd: str | None = None  # directory method "osd" keeps its adapted heads in (and starts from)
+    eagle: str | None = None  # drafter directory for method "eagle" (ours, speculators, EAGLE)
+    eagle_tree: str | None = None  # "DEPTH,TOPK,TOTAL" of EAGLE-2's dynamic tree
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens < 1:

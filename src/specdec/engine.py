@@ -142,6 +142,8 @@ class SpeculativeEngine:
         self_draft: str | None = None,
         auto_arms: str | None = None,
         osd: str | None = None,
+        eagle: str | None = None,
+        eagle_tree: str | None = None,
     ) -> SpeculativeEngine:
         """Load a target (a local HF directory, a GGUF file, or the bundled default model when
         both are ``None``) and build the speculator registered under ``method``.
@@ -151,7 +153,9 @@ class SpeculativeEngine:
         requests to Medusa's typical acceptance, which is faster but LOSSY (statistics say so).
         ``lookahead`` is ``"W,N,G"`` for method ``lookahead``; ``suffix_cache`` a file the
         ``suffix`` method loads and keeps saved; ``self_draft`` the layer choice of method
-        ``self`` (default: the one ``specdec calibrate self`` saved for this model).
+        ``self`` (default: the one ``specdec calibrate self`` saved for this model). ``eagle``
+        is an EAGLE drafter directory (``specdec train eagle``, speculators or the EAGLE
+        authors' layouts), ``eagle_tree`` its dynamic tree ``"DEPTH,TOPK,TOTAL"``.
         ``auto_arms`` restricts method ``auto`` to these speculators (``"suffix+draft"``).
         ``osd`` is the directory where method ``osd`` (online-distilled Medusa heads, started
         from ``medusa``) keeps its adapted state.
@@ -169,6 +173,8 @@ class SpeculativeEngine:
             self_draft=self_draft,
             auto_arms=auto_arms,
             osd=osd,
+            eagle=eagle,
+            eagle_tree=eagle_tree,
         )
         loaded = (
             model if isinstance(model, LoadedModel) else load_model(model, gguf=gguf, dtype=dtype)

@@ -59,7 +59,7 @@ class MethodRunner(Protocol):
 
 
 _HF_VARIANTS = {"hf": "greedy", "hf-prompt-lookup": "prompt-lookup", "hf-assisted": "assisted"}
-_NEEDS_DRAFT = {"draft", "assisted", "medusa"}
+_NEEDS_DRAFT = {"draft", "assisted", "medusa", "eagle"}
 # methods whose optional argument (NAME:ARG) goes to this engine option
 _OPTIONAL_ARG = {"lookahead": "lookahead", "suffix": "suffix_cache", "self": "self_draft"}
 _OPTIONAL_ARG["auto"] = "auto_arms"  # auto:ARM+ARM=OPTION+...: see auto_options
@@ -99,7 +99,8 @@ def parse_methods(
 
     ``NAME:DRAFT`` gives a draft (``layers:N`` or a model directory) to ``draft`` and
     ``hf-assisted``, and a checkpoint to ``medusa`` (``medusa:DIR`` or ``medusa:DIR@TREE``
-    with TREE a ``--tree`` value such as ``calibrated:64``). ``lookahead:WxNxG``,
+    with TREE a ``--tree`` value such as ``calibrated:64``), and ``eagle`` (``eagle:DIR`` or
+    ``eagle:DIR@DEPTH,TOPK,TOTAL``). ``lookahead:WxNxG``,
     ``suffix:CACHE_FILE`` and ``self:LAYERS`` set those methods' options. The reference
     ``none`` is put first (added when missing), because every other method is compared with it
     on the same prompt.
@@ -125,7 +126,7 @@ def parse_methods(
         if spec.name in _NEEDS_DRAFT and not spec.draft:
             hint = (
                 f"{base}:/path/to/checkpoint"
-                if spec.name == "medusa"
+                if spec.name in ("medusa", "eagle")
                 else f"{base}:layers:N or {base}:/path/to/draft"
             )
             raise UnknownMethodError(f"method {item!r} needs a draft: write {hint}")
@@ -149,6 +150,9 @@ class EngineRunner:
         if spec.name == "medusa" and spec.draft:
             path, _, tree = spec.draft.partition("@")
             options = {"medusa": path, "tree": tree or None}
+        elif spec.name == "eagle" and spec.draft:
+            path, _, tree = spec.draft.partition("@")
+            options = {"eagle": path, "eagle_tree": tree or None}
         elif spec.name in _OPTIONAL_ARG:
             options = {_OPTIONAL_ARG[spec.name]: spec.draft}
         if spec.name == "auto" and spec.draft:

@@ -25,8 +25,8 @@ MethodOpt = Annotated[
     typer.Option(
         "--method",
         "-m",
-        help="Speculator: none | prompt-lookup | draft | medusa | lookahead | suffix | self "
-        "| auto (a controller picks one per step).",
+        help="Speculator: none | prompt-lookup | draft | medusa | eagle | lookahead | suffix "
+        "| self | auto (a controller picks one per step).",
     ),
 ]
 LookaheadOpt = Annotated[
@@ -51,6 +51,22 @@ SelfDraftOpt = Annotated[
         "--self-draft",
         help="Layers --method self drafts with (e.g. exit:8, skip:10-25, adapter:DIR); "
         "default: the choice `specdec calibrate self` saved for this model.",
+    ),
+]
+EagleOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--eagle",
+        help="EAGLE drafter directory for --method eagle (from `specdec train eagle`, or a "
+        "speculators / EAGLE-authors checkpoint for this model).",
+    ),
+]
+EagleTreeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--eagle-tree",
+        help="DEPTH,TOPK,TOTAL of EAGLE-2's dynamic tree (default 5,4,24; the node count is "
+        "then sized per step by expected gain against verification cost).",
     ),
 ]
 AutoArmsOpt = Annotated[

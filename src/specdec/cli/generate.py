@@ -15,6 +15,8 @@ from specdec.cli.common import (
     AutoArmsOpt,
     DraftOpt,
     DtypeOpt,
+    EagleOpt,
+    EagleTreeOpt,
     GgufOpt,
     KOpt,
     LookaheadOpt,
@@ -65,6 +67,8 @@ def generate(
     self_draft: SelfDraftOpt = None,
     arms: AutoArmsOpt = None,
     osd: OsdOpt = None,
+    eagle: EagleOpt = None,
+    eagle_tree: EagleTreeOpt = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n")] = 128,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
@@ -110,6 +114,8 @@ def generate(
             self_draft=self_draft,
             auto_arms=arms,
             osd=osd,
+            eagle=eagle,
+            eagle_tree=eagle_tree,
         )
         use_chat = (
             chat if chat is not None else bool(getattr(engine.tokenizer, "chat_template", None))

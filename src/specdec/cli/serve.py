@@ -12,6 +12,8 @@ from specdec.cli.common import (
     AutoArmsOpt,
     DraftOpt,
     DtypeOpt,
+    EagleOpt,
+    EagleTreeOpt,
     GgufOpt,
     KOpt,
     LookaheadOpt,
@@ -53,6 +55,8 @@ def serve(
     self_draft: SelfDraftOpt = None,
     arms: AutoArmsOpt = None,
     osd: OsdOpt = None,
+    eagle: EagleOpt = None,
+    eagle_tree: EagleTreeOpt = None,
     dtype: DtypeOpt = "float32",
     host: Annotated[
         str, typer.Option(help="Interface to listen on (loopback by default).")
@@ -105,6 +109,8 @@ def serve(
             self_draft=self_draft,
             auto_arms=arms,
             osd=osd,
+            eagle=eagle,
+            eagle_tree=eagle_tree,
         )
         app = create_app(engine, config)
     err_console.print(

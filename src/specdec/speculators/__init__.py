@@ -3,6 +3,7 @@
 from specdec.speculators import (
     auto,
     draft_model,
+    eagle,
     lookahead,
     medusa,
     none,
@@ -36,6 +37,7 @@ __all__ = [
     "available",
     "build_speculator",
     "draft_model",
+    "eagle",
     "lookahead",
     "medusa",
     "none",

@@ -293,15 +293,43 @@ class StepStats:
     valid: list[torch.Tensor]  # per step: [B, T] bool
 
 
-def unroll(
-    head: EagleHead, batch: Batch, to_draft: torch.Tensor, config: EagleTrainConfig
-) -> StepStats:
+@dataclass(frozen=True)
+class Readout:
+    """The vocabulary the loss scores: the drafter's own (EAGLE-3's draft vocabulary), or for
+    EAGLE-1, whose readout is the target's full LM head, the ``rows`` of the most frequent
+    tokens: scoring all 49k rows for every position made a training step 6x slower on this
+    CPU, and the softmax over the frequent tokens ranks the candidates that matter the same.
+    ``to_draft`` maps a target id to its index in that vocabulary (-1 outside it)."""
+
+    to_draft: torch.Tensor  # [V]
+    rows: torch.Tensor | None = None  # [V_train] target ids, EAGLE-1 only
+
+    def logits(self, head: EagleHead, state: torch.Tensor) -> torch.Tensor:
+        if self.rows is None:
+            return head.logits(state)
+        return state @ head.readout[self.rows].T
+
+
+def readout_for(head: EagleHead, config: EagleTrainConfig, records: Sequence[Record]) -> Readout:
+    vocab = head.config.vocab_size
+    rows = None
+    ids = head.draft_token_ids()
+    if head.config.variant == "eagle1" and 0 < config.draft_vocab < vocab:
+        rows = draft_vocabulary(records, config.draft_vocab, vocab).sort().values
+        ids = rows
+    to_draft = torch.full((vocab,), -1, dtype=torch.long)
+    to_draft[ids] = torch.arange(len(ids))
+    return Readout(to_draft, rows)
+
+
+def unroll(head: EagleHead, batch: Batch, readout: Readout, config: EagleTrainConfig) -> StepStats:
     """The training-time-test unroll over one batch; loss and per-step correctness."""
     b, t = batch.tokens.shape
     state = head.fuse(batch.features)  # [B, T, H]
     pos = torch.arange(t)[None].expand(b, t)
     past: tuple[torch.Tensor, torch.Tensor] | None = None
-    draft_ids = to_draft[batch.top_ids]  # [B, T, k], -1 outside the draft vocabulary
+    to_draft = readout.to_draft
+    draft_ids = to_draft[batch.top_ids]  # [B, T, k], -1 outside the scored vocabulary
     total = batch.features.new_zeros(())
     correct, valid_steps = [], []
     for j in range(config.ttt_steps):
@@ -319,7 +347,7 @@ def unroll(
         ok = F.pad(batch.label_ok[:, shift:], (0, shift))  # [B, T]
         nxt = F.pad(batch.tokens[:, shift + 1 :], (0, shift + 1))  # data token p + shift + 1
         # the readout (the costliest matmul) only where a label is read  # [M, Vd]
-        logp = torch.log_softmax(head.logits(out[ok]).float(), -1)
+        logp = torch.log_softmax(readout.logits(head, out[ok]).float(), -1)
         ids_ok = ids[ok]  # [M, k]
         picked = logp.gather(-1, ids_ok.clamp_min(0)) * (ids_ok >= 0)
         denom = ok.sum().clamp_min(1)
@@ -360,12 +388,12 @@ def chain_acceptance(stats: Sequence[StepStats]) -> tuple[list[float], float]:
 
 @torch.inference_mode()
 def evaluate(
-    head: EagleHead, feats: SequenceFeatures, to_draft: torch.Tensor, config: EagleTrainConfig
+    head: EagleHead, feats: SequenceFeatures, readout: Readout, config: EagleTrainConfig
 ) -> tuple[list[float], float]:
     was_training = head.training
     head.eval()
     stats = [
-        unroll(head, collate(feats, list(range(i, min(i + 8, len(feats))))), to_draft, config)
+        unroll(head, collate(feats, list(range(i, min(i + 8, len(feats))))), readout, config)
         for i in range(0, len(feats), 8)
     ]
     head.train(was_training)
@@ -441,9 +469,8 @@ def train_eagle(
         )
     feature_seconds = time.perf_counter() - t0
     head = build_head(loaded, config, train_recs)
-    vocab = head.config.vocab_size
-    to_draft = torch.full((vocab,), -1, dtype=torch.long)  # target id -> draft id  [V]
-    to_draft[head.draft_token_ids()] = torch.arange(head.config.out_size)
+    readout = readout_for(head, config, train_recs)
+    to_draft = readout.to_draft
     labels = torch.cat([t[f + 1 :] for t, f in zip(train.tokens, train.first_label, strict=True)])
     coverage = float((to_draft[labels] >= 0).float().mean()) if len(labels) else 0.0
     params = [p for p in head.parameters() if p.requires_grad]
@@ -472,7 +499,7 @@ def train_eagle(
                 order += fresh
             idx = order[: config.batch_sequences]
             del order[: config.batch_sequences]
-            stats = unroll(core, collate(train, idx), to_draft, config)
+            stats = unroll(core, collate(train, idx), readout, config)
             opt.zero_grad(set_to_none=True)
             accel.backward(stats.loss)
             accel.clip_grad_norm_(params, 1.0)
@@ -483,7 +510,7 @@ def train_eagle(
             bar.update(1)
             bar.set_postfix(loss=f"{loss_value:.3f}")
             if step % config.eval_every == 0 or step == total_steps:
-                acc, tau = evaluate(core, held, to_draft, config)
+                acc, tau = evaluate(core, held, readout, config)
                 entry = {"step": float(step), "loss": loss_value, "simulated_tau": tau}
                 entry.update({f"acc_step{j + 1}": a for j, a in enumerate(acc)})
                 history.append(entry)
@@ -496,7 +523,7 @@ def train_eagle(
                 save_training_state(state_path, core, opt, sched, step, history)
     finally:
         bar.close()
-    acc, tau = evaluate(core, held, to_draft, config)
+    acc, tau = evaluate(core, held, readout, config)
     seconds = time.perf_counter() - started
     if accel.is_main_process:
         save_eagle(

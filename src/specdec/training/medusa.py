@@ -25,10 +25,11 @@ from typing import Any
 
 import torch
 
-from specdec.errors import CheckpointError, ConfigError, DataError
+from specdec.errors import ConfigError, DataError
 from specdec.heads.medusa import IGNORE, MedusaConfig, MedusaHeads
 from specdec.target.loading import LoadedModel
 from specdec.target.numerics import dense_weight
+from specdec.training.checkpoint import load_training_state, save_training_state
 from specdec.training.data import Record, SelfDistilledData
 from specdec.training.feature_cache import fingerprint, load_cached, save_cached
 from specdec.training.progress import NullBar, ProgressFactory
@@ -252,7 +253,7 @@ def train_medusa(
     history: list[dict[str, float]] = []
     state_path = out / CHECKPOINT
     if resume and state_path.is_file():
-        step, history = _load_state(state_path, heads, opt, sched)
+        step, history = load_training_state(state_path, heads, opt, sched)
     weights = torch.tensor([config.head_decay**k for k in range(config.num_heads)])  # [K]
     rng = random.Random(config.seed * 7919 + step)
     order: list[int] = []
@@ -287,7 +288,7 @@ def train_medusa(
                     top1 = " ".join(f"{a[0]:.3f}" for a in acc)
                     log(f"step {step}: loss {loss_value:.3f}, held-out top-1 per head {top1}")
             if step % config.checkpoint_every == 0 and step < total_steps:
-                _save_state(state_path, heads, opt, sched, step, history)
+                save_training_state(state_path, heads, opt, sched, step, history)
     finally:
         bar.close()
     heads.eval()
@@ -322,40 +323,3 @@ def train_medusa(
         feature_seconds=feature_seconds,
         history=history,
     )
-
-
-def _save_state(
-    path: Path,
-    heads: MedusaHeads,
-    opt: torch.optim.Optimizer,
-    sched: Any,
-    step: int,
-    history: list[dict[str, float]],
-) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save(
-        {
-            "heads": heads.state_dict(),
-            "optimizer": opt.state_dict(),
-            "scheduler": sched.state_dict(),
-            "step": step,
-            "history": history,
-        },
-        tmp,
-    )
-    os.replace(tmp, path)
-
-
-def _load_state(
-    path: Path, heads: MedusaHeads, opt: torch.optim.Optimizer, sched: Any
-) -> tuple[int, list[dict[str, float]]]:
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        heads.load_state_dict(state["heads"])
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        return int(state["step"]), list(state["history"])
-    except Exception as e:
-        raise CheckpointError(
-            f"cannot resume from {path} ({type(e).__name__}: {e}); delete it to start over"
-        ) from e
