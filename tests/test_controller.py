@@ -376,3 +376,26 @@ def test_bench_runs_auto_and_reports_its_choices():
     table = "\n".join(choice_table(records))
     assert "| `auto` | qa | suffix 75%, none 25% |" in table
     assert "| `auto` | overall | prompt-lookup 50%, suffix 38%, none 12% |" in table
+
+
+def test_report_compares_auto_with_the_best_single_method():
+    from specdec.bench.report import auto_vs_best, summaries_by_group
+
+    def rec(method: str, group: str, line: int, tps: float) -> dict:
+        return {
+            "method": method, "group": group, "line": line, "question_id": line, "repeat": 0,
+            "new_tokens": 10, "seconds": 10 / tps, "tokens_per_s": tps, "target_forwards": 5,
+            "mean_accepted": 2.0, "drafted_at": [5], "accepted_at": [5], "token_ids": [1],
+            "identical": True, "first_diff": None, "draft_fraction": 0.0, "draft_seconds": 0.0,
+            "verify_seconds": 1.0, "prefill_seconds": 0.1, "acceptance_by_position": [1.0],
+            "finish_reason": "length", "prompt_tokens": 5, "category": group,
+        }  # fmt: skip
+
+    records = [
+        rec("none", "qa", 1, 10.0), rec("suffix", "qa", 1, 15.0), rec("lookahead", "qa", 1, 12.0),
+        rec("auto", "qa", 1, 14.0), rec("hf", "qa", 1, 30.0),
+    ]  # fmt: skip
+    lines = auto_vs_best(summaries_by_group(records))
+    row = next(x for x in lines if x.startswith("| qa "))
+    assert "`suffix` | 1.50×" in row and "1.40× (0.93 of best)" in row
+    assert auto_vs_best(summaries_by_group(records[:3])) == []

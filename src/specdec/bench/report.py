@@ -188,6 +188,40 @@ def choice_table(records: Sequence[Record]) -> list[str]:
     return [*head, *rows, ""]
 
 
+def auto_vs_best(by_group: Mapping[str, Sequence[MethodSummary]]) -> list[str]:
+    """For each ``auto`` method: its speedup in every task group next to the fastest single
+    method's (``auto`` variants, ``none`` and Hugging Face baselines excluded)."""
+    autos = [m.method for m in by_group.get(OVERALL, []) if m.method.split(":")[0] == "auto"]
+    if not autos:
+        return []
+    out = [
+        "## `auto` against the best single method",
+        "",
+        "| group | best single method | its speedup | "
+        + " | ".join(f"`{a}`" for a in autos)
+        + " |",
+        "|---|---|---:|" + "---:|" * len(autos),
+    ]
+    for g, sums in by_group.items():
+        single = [
+            m
+            for m in sums
+            if m.method.split(":")[0] not in ("auto", "none") and not m.method.startswith("hf")
+        ]
+        best = fastest(single)
+        cells = []
+        for a in autos:
+            m = next((x for x in sums if x.method == a), None)
+            ratio = ""
+            if m and m.speedup_vs_none and best and best.speedup_vs_none:
+                ratio = f" ({m.speedup_vs_none.median / best.speedup_vs_none.median:.2f} of best)"
+            cells.append(_spread(m.speedup_vs_none if m else None, suffix="×") + ratio)
+        name = f"`{best.method}`" if best else "–"
+        speed = _spread(best.speedup_vs_none if best else None, suffix="×")
+        out.append(f"| {g} | {name} | {speed} | " + " | ".join(cells) + " |")
+    return [*out, ""]
+
+
 def render_markdown(
     records: Sequence[Record],
     meta: Mapping[str, Any],
@@ -252,6 +286,7 @@ def render_markdown(
                 f"- {g}: `{m.method}` {_spread(m.speedup_vs_none, suffix='×')} vs `none`"
             )
     out += ["## Fastest method per task group", "", *best_lines, ""]
+    out += auto_vs_best(by_group)
     out += ["## Where a method is slower than plain decoding", ""]
     out += (lose_lines or ["- nowhere"]) + [""]
     for g, sums in by_group.items():
