@@ -123,6 +123,24 @@ def test_a_low_estimate_recovers_through_probes():
     assert counts(choices[-50:]).get("a", 0) == 50
 
 
+def test_estimates_are_conditioned_on_the_size_of_an_offered_tree():
+    """A suffix-cache-like arm: its large trees (long matches) are accepted deep, its small
+    ones (short matches) never. The controller learns both and drafts only the confident ones."""
+
+    def tree(n: int) -> DraftTree:
+        return DraftTree(tuple(range(n + 1)), (-1, *range(n)))  # a deep path, counted as a tree
+
+    ctl = Controller([ArmSpec("sfx", tree=True)], flat_costs(slope=0.05))
+    for i in range(300):
+        offer = tree(20) if i % 2 else tree(2)
+        choice = ctl.choose({"sfx": offer}, cap=5)
+        if choice.arm is not None:
+            ctl.observe(choice, max(offer.depths), 12 if offer.num_drafted == 20 else 0)
+    assert ctl.choose({"sfx": tree(20)}, cap=5).arm == "sfx"
+    small = [ctl.choose({"sfx": tree(2)}, cap=5) for _ in range(20)]
+    assert sum(c.arm == "sfx" and not c.probe for c in small) == 0
+
+
 def test_chains_are_cut_to_the_length_that_pays():
     """First draft right 90%, later ones never: one token is the best chain."""
     ctl = Controller([ArmSpec("a")], flat_costs(slope=0.2), ControllerConfig(max_draft=5))
@@ -336,10 +354,10 @@ def test_doctests():
     import doctest
 
     from specdec.bench import methods
-    from specdec.control import budget, calibration
+    from specdec.control import budget, calibration, controller
     from specdec.speculators import auto
 
-    for module in (budget, calibration, auto, methods):
+    for module in (budget, calibration, controller, auto, methods):
         assert doctest.testmod(module).failed == 0, module.__name__
 
 

@@ -9,7 +9,8 @@ with plain decoding, ``1 / T(1)``, and takes the best; when no arm beats plain d
 drafts nothing, so a workload where nothing pays runs at plain decoding's speed (plus the
 controller's microseconds). E[tokens] comes from online per-arm, per-depth acceptance
 estimates: ``alphas[d]`` estimates P(draft d+1 accepted | drafts 1..d accepted), an
-exponential moving average starting from a prior, exactly as :class:`AdaptiveBudget` does for
+exponential moving average starting from a prior, kept separately per confidence class of an
+offered tree (its size: :func:`size_class`), exactly as :class:`AdaptiveBudget` does for
 one speculator (:func:`expected_tokens`). T(n) is the shared :class:`CostModel` (calibrated by
 ``specdec calibrate cost``, refined online).
 
@@ -41,6 +42,19 @@ from dataclasses import dataclass, field
 
 from specdec.control.budget import CostModel, expected_tokens
 from specdec.errors import ConfigError
+from specdec.tree import DraftTree
+
+
+def size_class(tree: DraftTree) -> int:
+    """The confidence class of an offered tree: model-free tree drafters size their trees by
+    their confidence (the suffix cache drafts about one node per matched token, lookahead adds
+    the n-grams it found), so a large tree is a confident one and gets estimates of its own.
+
+    >>> [size_class(DraftTree.chain(0, [1] * n)) for n in (1, 3, 4, 15, 16)]
+    [0, 0, 1, 1, 2]
+    """
+    n = tree.num_drafted
+    return 0 if n < 4 else 1 if n < 16 else 2
 
 
 @dataclass(frozen=True)
@@ -99,13 +113,15 @@ class Choice:
     size: int = 0
     rate: float = 0.0
     probe: bool = False
+    bucket: int = 0  # the confidence class whose estimates priced it (see size_class)
 
 
 @dataclass
 class ArmState:
     """Online estimates for one arm."""
 
-    alphas: list[float]
+    alphas: list[float]  # on-demand arms, chains and small trees
+    buckets: dict[int, list[float]] = field(default_factory=dict)  # larger offered trees
     draft_seconds: float | None = None  # measured, per token (chains) or per step (trees)
     nodes: float = 0.0  # trees: moving averages of drafted nodes and depth
     depth: float = 0.0
@@ -113,6 +129,11 @@ class ArmState:
     observed: int = 0
     since_chosen: int = 0
     probe_interval: int = 8
+
+    def alphas_for(self, bucket: int, prior: float) -> list[float]:
+        if bucket == 0:
+            return self.alphas
+        return self.buckets.setdefault(bucket, [prior] * len(self.alphas))
 
 
 @dataclass
@@ -153,8 +174,11 @@ class Controller:
         unit = measured if measured is not None else spec.draft_cost * self.costs.cost(1)
         return unit if spec.tree else unit * k
 
-    def _tree_rate(self, spec: ArmSpec, depth: int, nodes: int) -> float:
-        alphas = self.state[spec.name].alphas
+    def _alphas(self, name: str, bucket: int) -> list[float]:
+        return self.state[name].alphas_for(bucket, self.config.prior_alpha)
+
+    def _tree_rate(self, spec: ArmSpec, depth: int, nodes: int, bucket: int = 0) -> float:
+        alphas = self._alphas(spec.name, bucket)
         seconds = self.costs.cost(nodes, tree=True) + self._draft_time(spec, depth)
         return expected_tokens(alphas, depth) / seconds
 
@@ -176,22 +200,22 @@ class Controller:
         mine, theirs = self.state[spec.name], self.state[spec.guard]
         return mine.observed > 0 and theirs.observed > 0 and mine.alphas[0] < theirs.alphas[0]
 
-    def option(self, spec: ArmSpec, offer: object | None, cap: int) -> tuple[int, float]:
-        """(size, rate) of drafting with ``spec`` this step; size 0 when it cannot draft.
-        ``offer`` is the already proposed draft of an offered arm (a DraftTree), else None."""
+    def option(self, spec: ArmSpec, offer: object | None, cap: int) -> tuple[int, float, int]:
+        """(size, rate, confidence class) of drafting with ``spec`` this step; size 0 when it
+        cannot draft. ``offer``: the already proposed draft of an offered arm, else None."""
         if not spec.on_demand:
-            from specdec.tree import DraftTree
-
             if not isinstance(offer, DraftTree) or offer.num_drafted == 0:
-                return 0, 0.0
+                return 0, 0.0, 0
             if offer.is_chain and not spec.tree:  # a tree drafter's draft is taken whole
-                return self._chain_best(spec, min(cap, offer.num_drafted))
-            return offer.num_drafted, self._tree_rate(spec, max(offer.depths), len(offer))
+                return (*self._chain_best(spec, min(cap, offer.num_drafted)), 0)
+            bucket = size_class(offer)
+            rate = self._tree_rate(spec, max(offer.depths), len(offer), bucket)
+            return offer.num_drafted, rate, bucket
         if spec.tree:
             st = self.state[spec.name]
             nodes, depth = max(1, round(st.nodes)), max(1, round(st.depth))
-            return nodes, self._tree_rate(spec, min(depth, nodes), nodes + 1)
-        return self._chain_best(spec, cap)
+            return nodes, self._tree_rate(spec, min(depth, nodes), nodes + 1), 0
+        return (*self._chain_best(spec, cap), 0)
 
     def choose(self, offers: Mapping[str, object] | None = None, cap: int | None = None) -> Choice:
         """The best arm and size for this step (``Choice(None)``: draft nothing).
@@ -205,16 +229,16 @@ class Controller:
         probe: Choice | None = None
         available: list[str] = []
         for spec in self.arms:
-            size, rate = self.option(spec, offers.get(spec.name), cap)
+            size, rate, bucket = self.option(spec, offers.get(spec.name), cap)
             if size == 0 and not (spec.on_demand and cap > 0):
                 continue
             available.append(spec.name)
             if size > 0 and rate > best.rate and not self._blocked(spec):
-                best = Choice(spec.name, size, rate)
+                best = Choice(spec.name, size, rate, bucket=bucket)
             st = self.state[spec.name]
             if probe is None and st.since_chosen >= st.probe_interval and cap > 0:
                 probe_size = size if spec.tree or size == 0 else 1
-                probe = Choice(spec.name, max(1, probe_size), rate, probe=True)
+                probe = Choice(spec.name, max(1, probe_size), rate, True, bucket)
         if probe is not None:
             best = probe
         for name in available:
@@ -233,9 +257,10 @@ class Controller:
         st = self.state[choice.arm]
         st.observed += 1
         d = self.config.decay
-        for i in range(min(depth, accepted + 1, len(st.alphas))):
+        alphas = self._alphas(choice.arm, choice.bucket)
+        for i in range(min(depth, accepted + 1, len(alphas))):
             hit = 1.0 if i < accepted else 0.0
-            st.alphas[i] = d * st.alphas[i] + (1 - d) * hit
+            alphas[i] = d * alphas[i] + (1 - d) * hit
         if nodes is not None and self._specs[choice.arm].tree:
             st.nodes = d * st.nodes + (1 - d) * nodes
             st.depth = d * st.depth + (1 - d) * depth
