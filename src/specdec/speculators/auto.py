@@ -228,6 +228,8 @@ def parse_arms(text: str | None, config: SpeculationConfig) -> list[str]:
         names += [n for n, opt in (("medusa", config.medusa), ("draft", config.draft)) if opt]
         if config.self_draft:
             names.append("self")
+        if getattr(config, "eagle", None):  # the EAGLE drafter, where this version has one
+            names.append("eagle")
         if config.osd:
             names.append("osd")
     known = [n for n in available() if n not in ("auto", "none")]
