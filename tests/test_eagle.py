@@ -127,7 +127,7 @@ def _context(tiny: LoadedModel, tokens: list[int], layers: Sequence[int]) -> Dra
 @pytest.mark.parametrize("variant", ["eagle1", "eagle3"])
 def test_every_tree_node_is_drafted_from_its_own_path(tiny, variant):
     """The tree mask lets each expanded node see the committed prefix and its ancestors only:
-    its state equals running the drafter causally along its own path."""
+    its state equals running the (same, drafting) head causally along its own path."""
     head = random_head(tiny, variant)
     spec = EagleSpeculator(head, EagleTree(depth=4, top_k=3, total_tokens=30, cost_slope=0.0))
     tokens = [5, 17, 42, 8, 9, 11, 60]
@@ -148,7 +148,7 @@ def test_every_tree_node_is_drafted_from_its_own_path(tiny, variant):
             path.reverse()  # depth 1 .. 4
             state, past = h_root, committed
             for depth, i in enumerate(path[:-1], start=1):
-                out, kv = head(
+                out, kv = spec.head(
                     state[None, None],
                     torch.tensor([[nodes[i].token]]),
                     torch.tensor([[len(tokens) - 2 + depth]]),

@@ -33,7 +33,7 @@ import torch
 
 from specdec.config import SpeculationConfig
 from specdec.errors import ConfigError
-from specdec.heads.eagle import EagleHead, extend_kv
+from specdec.heads.eagle import EagleHead, extend_kv, for_inference
 from specdec.speculators.base import DraftContext, Feedback, register
 from specdec.target import LoadedModel
 from specdec.tree import DraftTree
@@ -99,7 +99,7 @@ class EagleSpeculator:
     drafts_trees: ClassVar[bool] = True
 
     def __init__(self, head: EagleHead, tree: EagleTree | None = None) -> None:
-        self.head = head.eval()
+        self.head = for_inference(head)
         self.tree = tree or EagleTree(depth=head.config.speculative_tokens)
         self.feature_layers: tuple[int, ...] = head.config.aux_layers
         self._past: tuple[torch.Tensor, torch.Tensor] | None = None  # [1, KV, S, D] each
@@ -182,6 +182,8 @@ class EagleSpeculator:
                     nodes.append(_Node(int(t), i, base + v, depth, out[0, j]))
             candidates = range(start, len(nodes))
             frontier = sorted(candidates, key=lambda c: nodes[c].score, reverse=True)[:k]
+            if math.exp(nodes[frontier[0]].score) < self.tree.cost_slope:
+                break  # no deeper node can pay for its verification: stop drafting
         return nodes
 
     @staticmethod
@@ -244,4 +246,5 @@ def _build(target: LoadedModel, config: SpeculationConfig) -> EagleSpeculator:
     from specdec.heads.eagle_io import load_eagle
 
     head = load_eagle(config.eagle, target)
-    return EagleSpeculator(head, EagleTree.parse(config.eagle_tree, head.config.speculative_tokens))
+    tree = EagleTree.parse(config.eagle_tree, head.config.speculative_tokens)
+    return EagleSpeculator(head, tree)
