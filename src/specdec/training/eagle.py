@@ -248,7 +248,9 @@ class Batch:
     label_ok: torch.Tensor  # [B, T] bool: the next token is a response token (and exists)
 
 
-def collate(feats: SequenceFeatures, idx: Sequence[int]) -> Batch:
+def collate(
+    feats: SequenceFeatures, idx: Sequence[int], device: torch.device | str = "cpu"
+) -> Batch:
     t_max = max(len(feats.tokens[i]) for i in idx)
     b = len(idx)
     f_dim = feats.features[idx[0]].shape[1]
@@ -270,7 +272,7 @@ def collate(feats: SequenceFeatures, idx: Sequence[int]) -> Batch:
         batch.top_ids[row, :n] = feats.top_ids[i]
         batch.top_p[row, :n] = feats.top_logp[i].float().exp()
         batch.label_ok[row, feats.first_label[i] : n - 1] = True
-    return batch
+    return Batch(*(getattr(batch, f).to(device) for f in Batch.__dataclass_fields__))
 
 
 def ttt_mask(t: int, step: int) -> torch.Tensor:
@@ -304,6 +306,10 @@ class Readout:
     to_draft: torch.Tensor  # [V]
     rows: torch.Tensor | None = None  # [V_train] target ids, EAGLE-1 only
 
+    def to(self, device: torch.device | str) -> Readout:
+        rows = None if self.rows is None else self.rows.to(device)
+        return Readout(self.to_draft.to(device), rows)
+
     def logits(self, head: EagleHead, state: torch.Tensor) -> torch.Tensor:
         if self.rows is None:
             return head.logits(state)
@@ -326,7 +332,8 @@ def unroll(head: EagleHead, batch: Batch, readout: Readout, config: EagleTrainCo
     """The training-time-test unroll over one batch; loss and per-step correctness."""
     b, t = batch.tokens.shape
     state = head.fuse(batch.features)  # [B, T, H]
-    pos = torch.arange(t)[None].expand(b, t)
+    dev = batch.tokens.device
+    pos = torch.arange(t, device=dev)[None].expand(b, t)
     past: tuple[torch.Tensor, torch.Tensor] | None = None
     to_draft = readout.to_draft
     draft_ids = to_draft[batch.top_ids]  # [B, T, k], -1 outside the scored vocabulary
@@ -338,7 +345,7 @@ def unroll(head: EagleHead, batch: Batch, readout: Readout, config: EagleTrainCo
         if shift >= t:
             break
         tokens = F.pad(batch.tokens[:, shift:], (0, shift))  # [B, T]
-        mask = causal_prefix_mask(t, 0) if j == 0 else ttt_mask(t, j)
+        mask = (causal_prefix_mask(t, 0) if j == 0 else ttt_mask(t, j)).to(dev)
         out, kv = head(state, tokens, pos + j, past, mask)
         past = extend_kv(past, kv)
         # labels at position p + shift: the target's distribution after token p + shift
@@ -392,8 +399,10 @@ def evaluate(
 ) -> tuple[list[float], float]:
     was_training = head.training
     head.eval()
+    device = head.fc.weight.device
+    readout = readout.to(device)
     stats = [
-        unroll(head, collate(feats, list(range(i, min(i + 8, len(feats))))), readout, config)
+        unroll(head, collate(feats, range(i, min(i + 8, len(feats))), device), readout, config)
         for i in range(0, len(feats), 8)
     ]
     head.train(was_training)
@@ -470,6 +479,7 @@ def train_eagle(
     feature_seconds = time.perf_counter() - t0
     head = build_head(loaded, config, train_recs)
     readout = readout_for(head, config, train_recs)
+    device = accel.device
     to_draft = readout.to_draft
     labels = torch.cat([t[f + 1 :] for t, f in zip(train.tokens, train.first_label, strict=True)])
     coverage = float((to_draft[labels] >= 0).float().mean()) if len(labels) else 0.0
@@ -499,7 +509,9 @@ def train_eagle(
                 order += fresh
             idx = order[: config.batch_sequences]
             del order[: config.batch_sequences]
-            stats = unroll(core, collate(train, idx), readout, config)
+            # each data-parallel process takes its own share of the batch
+            share = idx[accel.process_index :: accel.num_processes] or idx
+            stats = unroll(core, collate(train, share, device), readout.to(device), config)
             opt.zero_grad(set_to_none=True)
             accel.backward(stats.loss)
             accel.clip_grad_norm_(params, 1.0)
