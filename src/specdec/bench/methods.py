@@ -100,7 +100,7 @@ def parse_methods(
     ``NAME:DRAFT`` gives a draft (``layers:N`` or a model directory) to ``draft`` and
     ``hf-assisted``, and a checkpoint to ``medusa`` (``medusa:DIR`` or ``medusa:DIR@TREE``
     with TREE a ``--tree`` value such as ``calibrated:64``), and ``eagle`` (``eagle:DIR`` or
-    ``eagle:DIR@DEPTH,TOPK,TOTAL``). ``lookahead:WxNxG``,
+    ``eagle:DIR@DEPTHxTOPKxTOTAL``). ``lookahead:WxNxG``,
     ``suffix:CACHE_FILE`` and ``self:LAYERS`` set those methods' options. The reference
     ``none`` is put first (added when missing), because every other method is compared with it
     on the same prompt.

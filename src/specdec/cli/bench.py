@@ -99,7 +99,8 @@ def bench(
         str | None,
         typer.Option(
             help="Comma-separated: none, prompt-lookup, draft:layers:N | draft:DIR, "
-            "medusa:DIR[@TREE], lookahead[:WxNxG], suffix[:CACHE_FILE], self[:LAYERS], hf, "
+            "medusa:DIR[@TREE], eagle:DIR[@DEPTHxTOPKxTOTAL], lookahead[:WxNxG], "
+            "suffix[:CACHE_FILE], self[:LAYERS], hf, "
             "hf-prompt-lookup, hf-assisted:layers:N | hf-assisted:DIR. Default: "
             f"{DEFAULT_METHODS} ({QUICK_METHODS} with --quick).",
         ),

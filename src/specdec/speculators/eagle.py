@@ -65,21 +65,23 @@ class EagleTree:
 
     @classmethod
     def parse(cls, spec: str | None, depth: int | None = None) -> EagleTree:
-        """``"DEPTH,TOPK,TOTAL"`` (any suffix may be left out); ``None`` = the defaults with
-        the checkpoint's own ``depth``.
+        """``"DEPTH,TOPK,TOTAL"`` (any suffix may be left out; ``x`` separates too, as in the
+        bench's ``eagle:DIR@5x4x24`` where commas separate methods); ``None`` = the defaults
+        with the checkpoint's own ``depth``.
 
-        >>> EagleTree.parse("6,8,60")
+        >>> EagleTree.parse("6x8x60")
         EagleTree(depth=6, top_k=8, total_tokens=60, cost_slope=0.04)
         >>> EagleTree.parse(None, depth=3).depth
         3
         """
         if spec is None or spec == "":
             return cls() if depth is None else cls(depth=depth)
-        if not re.fullmatch(r"\d+(,\d+){0,2}", spec.replace(" ", "")):
+        text = spec.replace(" ", "").replace("x", ",")
+        if not re.fullmatch(r"\d+(,\d+){0,2}", text):
             raise ConfigError(
                 f"--eagle-tree must be DEPTH[,TOPK[,TOTAL]] (e.g. 5,4,24), got {spec!r}"
             )
-        values = [int(v) for v in spec.replace(" ", "").split(",")]
+        values = [int(v) for v in text.split(",")]
         return cls(*values)  # type: ignore[arg-type]
 
 
