@@ -385,3 +385,29 @@ def test_eagle_trees_sample_exactly_the_target_distribution():
     pvalue = lossless_pvalue(engine)
     assert pvalue > ALPHA, f"EAGLE sampling departs from p (chi-square p = {pvalue:.2e})"
     assert CountingEagle.branching > 1000
+
+
+def test_watching_steps_it_did_not_draft_keeps_the_drafter_in_sync(tiny):
+    """Under ``auto`` the drafter sees every step through ``watch`` but drafts only some: its
+    trees on the steps it drafts equal those of a drafter that drafted every step."""
+    from specdec.config import SamplingConfig
+    from specdec.verify import rule_for
+
+    head = random_head(tiny, "eagle3", seed=2)
+    tree = EagleTree(depth=3, top_k=3, total_tokens=8, cost_slope=0.0)
+    every, sometimes = EagleSpeculator(head, tree), EagleSpeculator(head, tree)
+    target = HFTarget(tiny)
+    target.enable_features(head.config.aux_layers)
+    tokens = [5, 17, 42, 8, 9]
+    target.begin(tokens)
+    rule, sampling = rule_for(SamplingConfig()), SamplingConfig()
+    for step in range(8):
+        ctx = DraftContext(list(tokens), 5, sampling, make_generator(0), target.features)
+        drafted = every.propose(ctx, 50)
+        sometimes.watch(ctx)
+        if step % 3 == 2:
+            again = sometimes.propose(ctx, 50)
+            assert (again.tokens, again.parents) == (drafted.tokens, drafted.parents)
+        acceptance = rule.accept(drafted, target.verify(drafted), sampling, make_generator(0))
+        target.commit(acceptance.path)
+        tokens += list(acceptance.tokens)

@@ -105,9 +105,11 @@ class EagleSpeculator:
         self.tree = tree or EagleTree(depth=head.config.speculative_tokens)
         self.feature_layers: tuple[int, ...] = head.config.aux_layers
         self._past: tuple[torch.Tensor, torch.Tensor] | None = None  # [1, KV, S, D] each
+        self._root_state: tuple[int, torch.Tensor] | None = None  # (root position, state)
 
     def reset(self) -> None:
         self._past = None
+        self._root_state = None
 
     @property
     def cached(self) -> int:
@@ -128,6 +130,9 @@ class EagleSpeculator:
         root_pos = len(tokens) - 1
         if features is None or len(features) == 0 or root_pos < 1:
             return None
+        if self._root_state is not None and self._root_state[0] == root_pos:
+            if self.cached == root_pos:  # already absorbed this step (watch, then propose)
+                return self._root_state[1]
         n = min(len(features), root_pos)
         first = root_pos - n
         if self.cached > first:  # positions already absorbed (a re-proposal): drop them
@@ -138,7 +143,13 @@ class EagleSpeculator:
         positions = torch.arange(first, root_pos)[None]  # [1, n]
         out, (k, v) = self.head(state, ids, positions, self._past)
         self._past = extend_kv(self._past, (k, v))
+        self._root_state = (root_pos, out[0, -1])
         return out[0, -1]
+
+    def watch(self, context: DraftContext) -> None:
+        """Absorb a step's features without drafting: the ``auto`` controller calls it every
+        step, so steps another speculator drafted leave no gap in the drafter's cache."""
+        self.absorb(context)
 
     @torch.inference_mode()
     def propose(self, context: DraftContext, budget: int) -> DraftTree:
