@@ -92,7 +92,8 @@ def test_tiny_all_kinds_of_method_and_a_malformed_line(tiny_model_dir, tiny_data
     "args,message",
     [
         (["--dataset", "/nonexistent/q.jsonl"], "does not exist"),
-        (["--methods", "none,eagle"], "unknown method 'eagle'"),
+        (["--methods", "none,medusa2"], "unknown method 'medusa2'"),
+        (["--methods", "none,eagle"], "needs a draft"),
         (["--methods", "none,medusa"], "needs a draft"),
         (["--categories", "poetry"], "unknown category 'poetry'"),
         (["--per-category", "0"], "--per-category must be >= 1"),

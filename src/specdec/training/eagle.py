@@ -51,7 +51,12 @@ from specdec.heads.eagle import (
 )
 from specdec.target.loading import DEFAULT_GGUF_NAME, DEFAULT_MODEL_HUB_ID, LoadedModel
 from specdec.target.numerics import dense_weight
-from specdec.training.checkpoint import load_training_state, save_training_state
+from specdec.training.checkpoint import (
+    check_schedule,
+    load_training_state,
+    save_training_state,
+    warmup_then_linear,
+)
 from specdec.training.data import Record, SelfDistilledData
 from specdec.training.feature_cache import fingerprint, load_cached, save_cached
 from specdec.training.medusa import draft_vocabulary
@@ -89,12 +94,15 @@ class EagleTrainConfig:
             raise ConfigError(f"--draft-vocab must be >= 0 (0 = full), got {self.draft_vocab}")
         if not 1 <= self.ttt_steps <= 16:
             raise ConfigError(f"--ttt-steps must be in 1..16, got {self.ttt_steps}")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ConfigError(f"--max-steps must be >= 1, got {self.max_steps}")
-        if self.epochs <= 0 or self.lr <= 0 or self.batch_sequences < 1 or self.topk_labels < 1:
-            raise ConfigError("epochs, lr, batch size and top-k labels must be positive")
-        if not 0.0 <= self.held_out < 1.0:
-            raise ConfigError(f"held-out fraction must be in [0, 1), got {self.held_out}")
+        check_schedule(
+            max_steps=self.max_steps,
+            epochs=self.epochs,
+            lr=self.lr,
+            batch=self.batch_sequences,
+            held_out=self.held_out,
+        )
+        if self.topk_labels < 1:
+            raise ConfigError(f"top-k labels must be >= 1, got {self.topk_labels}")
         if self.context < 1:
             raise ConfigError(f"--context must be >= 1, got {self.context}")
 
@@ -487,9 +495,7 @@ def train_eagle(
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
     per_epoch = max(1, len(train) // config.batch_sequences)
     total_steps = config.max_steps or max(1, round(config.epochs * per_epoch))
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - s / total_steps)
-    )
+    sched = warmup_then_linear(opt, total_steps)
     step = 0
     history: list[dict[str, float]] = []
     state_path = out / CHECKPOINT

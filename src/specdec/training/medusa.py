@@ -29,7 +29,12 @@ from specdec.errors import ConfigError, DataError
 from specdec.heads.medusa import IGNORE, MedusaConfig, MedusaHeads
 from specdec.target.loading import LoadedModel
 from specdec.target.numerics import dense_weight
-from specdec.training.checkpoint import load_training_state, save_training_state
+from specdec.training.checkpoint import (
+    check_schedule,
+    load_training_state,
+    save_training_state,
+    warmup_then_linear,
+)
 from specdec.training.data import Record, SelfDistilledData
 from specdec.training.feature_cache import fingerprint, load_cached, save_cached
 from specdec.training.progress import NullBar, ProgressFactory
@@ -60,12 +65,13 @@ class MedusaTrainConfig:
             raise ConfigError(f"--layers must be >= 0, got {self.num_layers}")
         if self.draft_vocab < 0:
             raise ConfigError(f"--draft-vocab must be >= 0 (0 = full), got {self.draft_vocab}")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ConfigError(f"--max-steps must be >= 1, got {self.max_steps}")
-        if self.epochs <= 0 or self.lr <= 0 or self.batch_positions < 1:
-            raise ConfigError("epochs, lr and batch size must be positive")
-        if not 0.0 <= self.held_out < 1.0:
-            raise ConfigError(f"held-out fraction must be in [0, 1), got {self.held_out}")
+        check_schedule(
+            max_steps=self.max_steps,
+            epochs=self.epochs,
+            lr=self.lr,
+            batch=self.batch_positions,
+            held_out=self.held_out,
+        )
 
 
 @dataclass
@@ -246,9 +252,7 @@ def train_medusa(
     opt = torch.optim.AdamW(heads.parameters(), lr=config.lr, weight_decay=0.0)
     steps_per_epoch = max(1, len(train) // config.batch_positions)
     total_steps = config.max_steps or max(1, round(config.epochs * steps_per_epoch))
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - s / total_steps)
-    )
+    sched = warmup_then_linear(opt, total_steps)
     step = 0
     history: list[dict[str, float]] = []
     state_path = out / CHECKPOINT

@@ -23,7 +23,12 @@ import torch
 from specdec.errors import ConfigError, DataError
 from specdec.heads.self_exit import PrefixHead, SelfExitAdapter, SelfExitConfig, head_rows
 from specdec.target.loading import LoadedModel
-from specdec.training.checkpoint import load_training_state, save_training_state
+from specdec.training.checkpoint import (
+    check_schedule,
+    load_training_state,
+    save_training_state,
+    warmup_then_linear,
+)
 from specdec.training.data import Record, SelfDistilledData
 from specdec.training.feature_cache import fingerprint, load_cached, save_cached
 from specdec.training.progress import NullBar, ProgressFactory
@@ -49,12 +54,13 @@ class SelfExitTrainConfig:
             raise ConfigError(f"--layer must be >= 1, got {self.layer}")
         if self.rank < 0 or self.draft_vocab < 0:
             raise ConfigError("--rank and --draft-vocab must be >= 0 (0 = full)")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ConfigError(f"--max-steps must be >= 1, got {self.max_steps}")
-        if self.epochs <= 0 or self.lr <= 0 or self.batch_positions < 1:
-            raise ConfigError("epochs, lr and batch size must be positive")
-        if not 0.0 <= self.held_out < 1.0:
-            raise ConfigError(f"held-out fraction must be in [0, 1), got {self.held_out}")
+        check_schedule(
+            max_steps=self.max_steps,
+            epochs=self.epochs,
+            lr=self.lr,
+            batch=self.batch_positions,
+            held_out=self.held_out,
+        )
 
 
 @dataclass
@@ -203,9 +209,7 @@ def train_self_exit(
     opt = torch.optim.AdamW(adapter.parameters(), lr=config.lr, weight_decay=0.0)
     steps_per_epoch = max(1, len(train) // config.batch_positions)
     total_steps = config.max_steps or max(1, round(config.epochs * steps_per_epoch))
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - s / total_steps)
-    )
+    sched = warmup_then_linear(opt, total_steps)
     step = 0
     state_path = out / CHECKPOINT
     if resume and state_path.is_file():
