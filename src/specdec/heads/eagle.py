@@ -306,9 +306,6 @@ class EagleHead(nn.Module):
         if final_norm is not None:
             self.norm.weight.data.copy_(final_norm.detach().float())
 
-    def num_trainable(self) -> int:
-        return sum(p.numel() for p in self.parameters() if p.requires_grad)
-
 
 def for_inference(head: EagleHead) -> EagleHead:
     """A drafting copy of ``head`` with fp16-stored weights (fp32 maths): drafting is

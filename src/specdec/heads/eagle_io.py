@@ -57,12 +57,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from transformers import LlamaConfig
 
 from specdec.errors import CheckpointError
 from specdec.heads.eagle import EagleConfig, EagleHead, default_aux_layers, layer_config_from
+from specdec.heads.state_io import load_checked, read_safetensors, read_torch_state
 from specdec.target.loading import LoadedModel, identity_mismatch
 from specdec.target.numerics import dense_weight
 
@@ -267,20 +267,9 @@ def _read_config(d: Path) -> dict[str, Any]:
 def _read_weights(d: Path) -> dict[str, torch.Tensor]:
     st, pt = d / WEIGHTS, d / TORCH_WEIGHTS
     if st.is_file():
-        try:
-            return load_file(str(st))
-        except (SafetensorError, OSError, ValueError) as e:
-            raise CheckpointError(f"cannot read {st} (truncated or corrupt?): {e}") from e
+        return read_safetensors(st)
     if pt.is_file():
-        try:
-            state = torch.load(pt, map_location="cpu", weights_only=True)
-        except Exception as e:  # pickle and zip readers raise many types on a broken file
-            raise CheckpointError(f"cannot read {pt} (truncated or corrupt?): {e}") from e
-        if not isinstance(state, dict) or not all(
-            isinstance(v, torch.Tensor) for v in state.values()
-        ):
-            raise CheckpointError(f"{pt} is not a state dict of tensors")
-        return state
+        return read_torch_state(pt)
     raise CheckpointError(f"{d} has no weights ({WEIGHTS} or {TORCH_WEIGHTS})")
 
 
@@ -477,24 +466,9 @@ def _build(
 
 
 def _load_state(head: EagleHead, state: dict[str, torch.Tensor], d: Path) -> None:
-    expected = head.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{d}: the weights do not match the config: missing {missing[:4]}, unexpected "
-            f"{unexpected[:4]}"
-        )
-    for key, value in state.items():
-        if value.shape != expected[key].shape:
-            raise CheckpointError(
-                f"{d}: {key} has shape {tuple(value.shape)}, the config implies "
-                f"{tuple(expected[key].shape)}"
-            )
-    cast = {k: v.to(expected[k].dtype) for k, v in state.items()}
-    if "d2t" in cast:
-        _check_token_maps(cast["d2t"], cast["t2d"], head.config.vocab_size, d)
-    head.load_state_dict(cast)
+    load_checked(head, state, d)  # keys and shapes first, so the maps below are well-formed
+    if head.d2t is not None:
+        _check_token_maps(head.d2t, head.t2d, head.config.vocab_size, d)
 
 
 def _check_token_maps(d2t: torch.Tensor, t2d: torch.Tensor, vocab: int, d: Path) -> None:

@@ -28,11 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from specdec.errors import CheckpointError
+from specdec.heads.state_io import load_checked, read_safetensors, read_torch_state
 
 CONFIG = "config.json"
 WEIGHTS = "medusa.safetensors"
@@ -195,13 +195,6 @@ def load_medusa(path: str | os.PathLike[str]) -> MedusaHeads:
     )
 
 
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        return load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"cannot read {path} (truncated or corrupt?): {e}") from e
-
-
 def _load_ours(d: Path, raw: dict[str, Any]) -> MedusaHeads:
     fields = {k: raw[k] for k in MedusaConfig.__dataclass_fields__ if k in raw}
     try:
@@ -210,27 +203,10 @@ def _load_ours(d: Path, raw: dict[str, Any]) -> MedusaHeads:
         raise CheckpointError(f"{d / CONFIG} is incomplete: {e}") from e
     if not (d / WEIGHTS).is_file():
         raise CheckpointError(f"{d} lacks {WEIGHTS}")
-    state = _read_safetensors(d / WEIGHTS)
+    state = read_safetensors(d / WEIGHTS)
     heads = MedusaHeads(config, state.get("token_map"))
-    _load_state(heads, state, d / WEIGHTS)
+    load_checked(heads, state, d / WEIGHTS)
     return heads
-
-
-def _load_state(heads: MedusaHeads, state: dict[str, torch.Tensor], where: Path) -> None:
-    expected = heads.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{where} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}"
-        )
-    for k, v in state.items():
-        if v.shape != expected[k].shape:
-            raise CheckpointError(
-                f"{where}: {k} has shape {tuple(v.shape)}, the config implies "
-                f"{tuple(expected[k].shape)}"
-            )
-    heads.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})
 
 
 _ORIGINAL_BLOCK = re.compile(r"^(?:medusa_head\.)?(\d+)\.(\d+)\.linear\.(weight|bias)$")
@@ -242,13 +218,10 @@ def _load_original(d: Path, raw: dict[str, Any]) -> MedusaHeads:
     num_layers = int(raw.get("medusa_num_layers", 1))
     st, pt = d / "medusa_lm_head.safetensors", d / "medusa_lm_head.pt"
     if st.is_file():
-        state = _read_safetensors(st)
+        state = read_safetensors(st)
         where = st
     elif pt.is_file():
-        try:
-            state = torch.load(pt, map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise CheckpointError(f"cannot read {pt} (truncated or corrupt?): {e}") from e
+        state = read_torch_state(pt)
         where = pt
     else:
         raise CheckpointError(f"{d} lacks medusa_lm_head.safetensors (or .pt)")
@@ -271,5 +244,5 @@ def _load_original(d: Path, raw: dict[str, Any]) -> MedusaHeads:
         num_layers=num_layers,
     )
     heads = MedusaHeads(config)
-    _load_state(heads, ours, where)
+    load_checked(heads, ours, where)
     return heads

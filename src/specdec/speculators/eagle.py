@@ -35,13 +35,12 @@ from specdec.config import SpeculationConfig
 from specdec.errors import ConfigError
 from specdec.heads.eagle import EagleHead, extend_kv, for_inference
 from specdec.speculators.base import DraftContext, Feedback, register
+from specdec.speculators.medusa import TREE_COST_SLOPE
 from specdec.target import LoadedModel
 from specdec.tree import DraftTree
 
-# Verification cost of an n-node tree relative to one decode step, T(n)/T(1) ~ 1 + slope * n,
-# as measured for the bundled model on this CPU (docs/bench-medusa: 1.28 / 1.40 / 1.61 at
-# n = 4 / 8 / 16).
-DEFAULT_COST_SLOPE = 0.04
+# the measured T(n)/T(1) slope that Medusa's tree sizing uses too
+DEFAULT_COST_SLOPE = TREE_COST_SLOPE
 
 
 @dataclass(frozen=True)
