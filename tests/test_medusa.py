@@ -106,6 +106,34 @@ def test_data_generation_resumes_and_refuses_other_settings(tiny, prompt_file, t
         generate_data(tiny, prompt_file, out, max_new_tokens=9, shard_size=2)
 
 
+def test_data_selects_categories_from_its_prompt_file(tiny, tmp_path):
+    """``--categories`` / ``--exclude-categories``: records are picked by the category of the
+    prompt they answer, read back from the prompt file the manifest names."""
+    prompts = tmp_path / "p.jsonl"
+    cats = ["chat", "code", "chat", "translation", "code", "chat"]
+    prompts.write_text(
+        "".join(json.dumps({"prompt": t, "category": c}) + "\n" for t, c in zip(PROMPTS, cats))
+    )
+    out = tmp_path / "sd"
+    generate_data(tiny, prompts, out, max_new_tokens=4, batch_size=6, shard_size=6)
+    data = load_data(out, tiny)
+    by_index = {r.index: r for r in data.records}
+    assert data.categories() == [cats[r.index] for r in data.records]
+    chat = data.select(["chat"])
+    assert sorted(r.index for r in chat.records) == [0, 2, 5]
+    assert all(by_index[r.index] == r for r in chat.records)
+    rest = data.select(exclude=["translation", "code"])
+    assert sorted(r.index for r in rest.records) == [0, 2, 5]
+    assert rest.selection == {"exclude_categories": ["translation", "code"]}  # saved by trainers
+    assert data.select() is data
+    with pytest.raises(DataError, match="unknown category cod;"):
+        data.select(["cod"])
+    with pytest.raises(DataError, match="no record is left"):
+        data.select(["chat"], exclude=["chat"])
+    prompts.write_text(prompts.read_text() + json.dumps({"prompt": "x"}) + "\n")
+    with pytest.raises(DataError, match="changed since this data was generated"):
+        data.categories()
+
 def test_data_errors(tiny, prompt_file, data_dir, tmp_path, tiny_draft_dir):
     with pytest.raises(DataError, match="does not exist"):
         load_data(tmp_path / "nope")

@@ -143,6 +143,31 @@ MaxStepsOpt = Annotated[
     int | None, typer.Option("--max-steps", help="Stop after N optimiser steps (smoke runs).")
 ]
 BatchOpt = Annotated[int, typer.Option("--batch", help="Token positions per step.")]
+CategoriesOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--categories",
+        help="Train only on records whose prompt has one of these comma-separated categories "
+        "(the prompt file's `category` field, e.g. chat,roleplay).",
+    ),
+]
+ExcludeCategoriesOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--exclude-categories",
+        help="Leave out records of these comma-separated categories (e.g. translation,code).",
+    ),
+]
+
+
+def select_categories(dataset: Any, include: str | None, exclude: str | None) -> Any:
+    """``dataset`` (SelfDistilledData) restricted by the ``--categories`` options."""
+
+    def names(text: str | None) -> list[str]:
+        return [x.strip() for x in (text or "").split(",") if x.strip()]
+
+    return dataset.select(names(include), names(exclude))
+
 
 T = TypeVar("T")
 

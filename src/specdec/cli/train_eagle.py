@@ -9,14 +9,17 @@ import typer
 from tqdm import tqdm
 
 from specdec.cli.common import (
+    CategoriesOpt,
     DataOpt,
     DtypeOpt,
+    ExcludeCategoriesOpt,
     GgufOpt,
     MaxStepsOpt,
     ModelOpt,
     ResumeOpt,
     ThreadsOpt,
     err_console,
+    select_categories,
     user_errors,
 )
 
@@ -78,6 +81,8 @@ def eagle(
     eval_every: Annotated[int, typer.Option("--eval-every")] = 100,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     resume: ResumeOpt = False,
+    categories: CategoriesOpt = None,
+    exclude_categories: ExcludeCategoriesOpt = None,
     threads: ThreadsOpt = None,
     model: ModelOpt = None,
     gguf: GgufOpt = None,
@@ -106,7 +111,7 @@ def eagle(
             seed=seed,
         )
         loaded = load_target(model, gguf, dtype, threads)
-        dataset = load_data(data, loaded)
+        dataset = select_categories(load_data(data, loaded), categories, exclude_categories)
         result = train_eagle(
             loaded,
             dataset,

@@ -10,14 +10,17 @@ from tqdm import tqdm
 
 from specdec.cli.common import (
     BatchOpt,
+    CategoriesOpt,
     DataOpt,
     DtypeOpt,
+    ExcludeCategoriesOpt,
     GgufOpt,
     MaxStepsOpt,
     ModelOpt,
     ResumeOpt,
     ThreadsOpt,
     err_console,
+    select_categories,
     user_errors,
 )
 
@@ -42,6 +45,8 @@ def medusa(
     eval_every: Annotated[int, typer.Option("--eval-every")] = 200,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     resume: ResumeOpt = False,
+    categories: CategoriesOpt = None,
+    exclude_categories: ExcludeCategoriesOpt = None,
     threads: ThreadsOpt = None,
     model: ModelOpt = None,
     gguf: GgufOpt = None,
@@ -66,7 +71,7 @@ def medusa(
             seed=seed,
         )
         loaded = load_target(model, gguf, dtype, threads)
-        dataset = load_data(data, loaded)
+        dataset = select_categories(load_data(data, loaded), categories, exclude_categories)
         result = train_medusa(
             loaded, dataset, out, config, resume=resume, progress=tqdm, log=tqdm.write
         )

@@ -10,14 +10,17 @@ from tqdm import tqdm
 
 from specdec.cli.common import (
     BatchOpt,
+    CategoriesOpt,
     DataOpt,
     DtypeOpt,
+    ExcludeCategoriesOpt,
     GgufOpt,
     MaxStepsOpt,
     ModelOpt,
     ResumeOpt,
     ThreadsOpt,
     err_console,
+    select_categories,
     user_errors,
 )
 
@@ -43,6 +46,8 @@ def self_exit(
     batch: BatchOpt = 256,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     resume: ResumeOpt = False,
+    categories: CategoriesOpt = None,
+    exclude_categories: ExcludeCategoriesOpt = None,
     threads: ThreadsOpt = None,
     model: ModelOpt = None,
     gguf: GgufOpt = None,
@@ -68,7 +73,7 @@ def self_exit(
             seed=seed,
         )
         loaded = load_target(model, gguf, dtype, threads)
-        dataset = load_data(data, loaded)
+        dataset = select_categories(load_data(data, loaded), categories, exclude_categories)
         result = train_self_exit(
             loaded, dataset, out, config, resume=resume, progress=tqdm, log=tqdm.write
         )

@@ -554,6 +554,7 @@ def train_eagle(
             extra={
                 "training": {
                     "data": str(Path(data.manifest.prompts_file).name),
+                    **data.selection,
                     "records": len(data.records),
                     "train_positions": train.positions,
                     "held_out_positions": held.positions,

@@ -252,6 +252,7 @@ def train_self_exit(
         extra={
             "training": {
                 "data": str(Path(data.manifest.prompts_file).name),
+                **data.selection,
                 "records": len(data.records),
                 "train_positions": len(train),
                 "held_out_positions": len(held),
