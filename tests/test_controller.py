@@ -417,3 +417,16 @@ def test_report_compares_auto_with_the_best_single_method():
     row = next(x for x in lines if x.startswith("| qa "))
     assert "`suffix` | 1.50×" in row and "1.40× (0.93 of best)" in row
     assert auto_vs_best(summaries_by_group(records[:3])) == []
+    # several prompts: auto ÷ best per prompt, with a 95% interval and its verdict
+    speeds = {"none": 10.0, "suffix": 15.0, "auto": 14.5}
+    many = [
+        rec(m, "qa", line, v * (1 + 0.04 * (-1) ** line if m == "auto" else 1))
+        for line in range(1, 6)
+        for m, v in speeds.items()
+    ]
+    lines = auto_vs_best(summaries_by_group(many), many)
+    row = next(x for x in lines if x.startswith("| qa "))
+    assert "of best, 0.9" in row and "–1.0" in row and ": within noise)" in row, row
+    slower = [r | {"tokens_per_s": 12.0} if r["method"] == "auto" else r for r in many]
+    row = next(x for x in auto_vs_best(summaries_by_group(slower), slower) if "| qa " in x)
+    assert "0.80 of best, 0.80–0.80: slower" in row, row

@@ -117,6 +117,60 @@ def speedup(records: Iterable[Record], method: str, baseline: str) -> Spread | N
     return Spread.of(per_repeat)
 
 
+# two-sided 97.5% quantiles of Student's t by degrees of freedom (larger df: the next listed)
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+         9: 2.262, 10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042, 60: 2.000,
+         120: 1.980}  # fmt: skip
+
+
+def _t975(df: int) -> float:
+    return next((v for k, v in _T975.items() if df <= k), 1.960)
+
+
+@dataclass(frozen=True)
+class RatioInterval:
+    """Geometric mean of paired per-prompt ratios with a 95% confidence interval.
+
+    Why paired and per prompt: speed varies far more between prompts (answer length, how much
+    can be copied) than between methods on one prompt, and timing noise on a shared CPU is
+    per run; the spread of one prompt's ratio across prompts measures both, so an interval
+    that contains 1.0 means "not distinguishable from equal with this many prompts"."""
+
+    ratio: float
+    lo: float
+    hi: float
+    n: int
+
+    @property
+    def verdict(self) -> str:
+        if self.n < 2:
+            return "one prompt: no interval"
+        if self.hi < 1.0:
+            return "slower"
+        return "faster" if self.lo > 1.0 else "within noise"
+
+
+def ratio_interval(records: Iterable[Record], method: str, baseline: str) -> RatioInterval | None:
+    """``method`` ÷ ``baseline`` tokens/s over every (prompt, repeat) both ran: geometric mean
+    and a t-interval on the log ratios.
+
+    >>> pairs = [(10, 10), (11, 10), (9, 10), (10.5, 10)]
+    >>> recs = [dict(line=i, repeat=0, method=m, tokens_per_s=v) for i, (a, b) in
+    ...         enumerate(pairs) for m, v in (("a", a), ("b", b))]
+    >>> iv = ratio_interval(recs, "a", "b"); (round(iv.ratio, 3), iv.n, iv.verdict)
+    (1.01, 4, 'within noise')
+    """
+    logs = [math.log(x) for x in paired_ratios(records, method, baseline).values()]
+    if not logs:
+        return None
+    mean = sum(logs) / len(logs)
+    if len(logs) < 2:
+        return RatioInterval(math.exp(mean), math.exp(mean), math.exp(mean), 1)
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (len(logs) - 1))
+    half = _t975(len(logs) - 1) * sd / math.sqrt(len(logs))
+    return RatioInterval(math.exp(mean), math.exp(mean - half), math.exp(mean + half), len(logs))
+
+
 def throughput(records: Iterable[Record], method: str) -> Spread | None:
     """Total new tokens / total seconds of ``method``, per repeat.
 
