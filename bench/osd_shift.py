@@ -18,6 +18,7 @@ import html
 import json
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -62,26 +63,43 @@ def run(engine: SpeculativeEngine, ids: list[int], n: int) -> tuple[list[int], f
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--medusa", required=True, help="static Medusa heads (the starting point)")
-    ap.add_argument("--domains", default="translation,code")
-    ap.add_argument("--per-domain", type=int, default=40)
+    ap.add_argument(
+        "--domains",
+        default="translation,code",
+        help="comma-separated domains in serving order, each optionally NAME:REQUESTS",
+    )
+    ap.add_argument("--per-domain", type=int, default=40, help="requests of a domain without :N")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--block", type=int, default=10, help="requests per table row")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--lr", type=float, default=OnlineConfig().lr, help="online learning rate")
+    defaults = OnlineConfig()
+    ap.add_argument("--lr", type=float, default=defaults.lr, help="online learning rate")
+    ap.add_argument("--warmup", type=int, default=defaults.warmup, help="online LR warm-up steps")
+    ap.add_argument(
+        "--steps-per-round",
+        type=int,
+        default=defaults.steps_per_round,
+        help="optimiser steps per batch of new traffic",
+    )
     ap.add_argument("--out", type=Path, default=Path("osd-shift"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
-    stream = [(d, p) for d in args.domains.split(",") for p in DOMAINS[d](args.per_domain, rng)]
+    plan = [(d.partition(":")[0], int(d.partition(":")[2] or args.per_domain)) for d in
+            args.domains.split(",")]  # fmt: skip
+    unknown = [d for d, _ in plan if d not in DOMAINS]
+    if unknown:
+        ap.error(f"unknown domain(s) {', '.join(unknown)}; known: {', '.join(DOMAINS)}")
+    stream = [(d, p) for d, n in plan for p in DOMAINS[d](n, rng)]
     loaded = load_model(None)
     static = SpeculativeEngine.from_pretrained(loaded, method="medusa", medusa=args.medusa)
     heads = load_medusa(args.medusa)
     learner = OnlineMedusaSpeculator(
         heads,
         resolve_topology(None, heads),
-        OnlineConfig(lr=args.lr),
+        OnlineConfig(lr=args.lr, warmup=args.warmup, steps_per_round=args.steps_per_round),
         state_dir=args.out / "osd-state",
     )
     online = SpeculativeEngine(HFTarget(loaded), loaded.tokenizer, learner, loaded=loaded)
@@ -114,18 +132,41 @@ def main() -> None:
     write_report(records, args)
 
 
+def trained_on(heads_dir: str) -> str:
+    """What the static heads were trained on, from their saved training record."""
+    cfg = json.loads((Path(heads_dir) / "config.json").read_text()).get("training", {})
+    text = f"{cfg.get('records', '?')} self-distilled answers to `{cfg.get('data', '?')}`"
+    if cfg.get("categories"):
+        text += f" (categories {', '.join(cfg['categories'])} only)"
+    if cfg.get("exclude_categories"):
+        text += f" (without {', '.join(cfg['exclude_categories'])})"
+    return text
+
+
 def write_report(records: list[dict], args: argparse.Namespace) -> None:
     lines = [
         "# Distribution shift: static vs online-distilled Medusa heads",
         "",
-        f"Heads `{args.medusa}`, online learning rate {args.lr:g}; domains {args.domains}, "
-        f"{args.per_domain} requests each, "
+        "Command:",
+        "",
+        "```",
+        " ".join(["python", *sys.argv]),
+        "```",
+        "",
+        f"Heads `{args.medusa}`, trained on {trained_on(args.medusa)}; online learning rate "
+        f"{args.lr:g} (warm-up {args.warmup} steps, {args.steps_per_round} steps per round of "
+        "new traffic); requests served in order: {args.domains} "
+        f"({args.per_domain} where no count is given), "
         f"{args.max_new_tokens} new tokens, greedy, {args.threads} torch thread(s); static and "
-        "adaptive interleaved per request on the same target. Outputs identical: "
+        "adaptive interleaved per request on the same target. The online trainer is a "
+        "background thread of the same process: on a CPU shared with decoding its steps slow "
+        "both runs' tokens/s, so τ is the comparison timing does not confound. Outputs "
+        "identical: "
         f"{sum(r['identical'] for r in records)}/{len(records)}.",
         "",
-        "| requests | domain | τ static | τ adaptive | τ ratio | tok/s static | tok/s adaptive |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| requests | domain | τ static | τ adaptive | τ ratio | tok/s static | tok/s adaptive "
+        "| online steps |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for start in range(0, len(records), args.block):
         block = records[start : start + args.block]
@@ -136,7 +177,7 @@ def write_report(records: list[dict], args: argparse.Namespace) -> None:
             f"| {start + 1}-{start + len(block)} | {block[0]['domain']} | "
             f"{mean['static_tau']:.2f} | {mean['adaptive_tau']:.2f} | "
             f"{mean['adaptive_tau'] / mean['static_tau']:.2f} | {mean['static_tps']:.2f} | "
-            f"{mean['adaptive_tps']:.2f} |"
+            f"{mean['adaptive_tps']:.2f} | {block[-1]['osd_steps']} |"
         )
     (args.out / "report.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -309,6 +309,7 @@ def test_cli_trains_a_draft(tiny_model_dir: Path, data_dir: Path, tmp_path: Path
         (["--layers", "9"], "--layers must be between"),
         (["--layers", "1", "--hidden", "30"], "divisible"),
         (["--layers", "1", "--resume"], "no checkpoint"),
+        (["--layers", "1", "--categories", "chat"], "unknown category chat; this data has"),
     ],
 )
 def test_cli_errors_are_one_line(tiny_model_dir, data_dir, tmp_path, extra, words):

@@ -131,6 +131,22 @@ def test_bad_configurations(tiny64, other_vocab_model_dir, tmp_path):
         SpeculativeEngine.from_pretrained(tiny64, method="osd", medusa=str(other_vocab_model_dir))
     with pytest.raises(ConfigError):
         OnlineConfig(batch=0)
+    with pytest.raises(ConfigError, match="warmup"):
+        OnlineConfig(warmup=-1)
+
+
+def test_learning_rate_warms_up(heads_dir):
+    """The first online steps move a trained head little (Adam's first steps move every
+    weight by about lr, which measurably hurt in-domain acceptance before the warm-up)."""
+    cfg = OnlineConfig(batch=4, min_examples=4, steps_per_round=1, lr=1e-3, warmup=4)
+    trainer = OnlineTrainer(load_medusa(heads_dir), cfg)
+    k, h = trainer.num_heads, load_medusa(heads_dir).config.hidden_size
+    lrs = []
+    for _ in range(6):
+        trainer.add(torch.randn(4, h), torch.randint(0, 50, (4, k)))
+        assert trainer.train_round()
+        lrs.append(trainer._opt.param_groups[0]["lr"])
+    assert lrs == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])
 
 
 def test_auto_guards_the_learner_with_the_static_heads(tiny64, heads_dir, tmp_path):

@@ -19,6 +19,7 @@ import torch
 from specdec.bench.methods import REFERENCE, MethodRunner, RunOutput
 from specdec.bench.stats import first_difference
 from specdec.bench.workloads import Question
+from specdec.control.calibration import cost_calibration_path
 from specdec.errors import InvalidRequestError
 from specdec.request import encode_prompt
 from specdec.target import LoadedModel
@@ -71,6 +72,8 @@ def environment(loaded: LoadedModel) -> dict[str, Any]:
         "dtype": loaded.dtype_name,
         "numerics": loaded.numerics,
         "model": loaded.source,
+        # auto and the adaptive draft length start from it; without it, a generic prior
+        "cost_calibration": cost_calibration_path(loaded).is_file(),
     }
 
 

@@ -260,6 +260,15 @@ def render_markdown(
         f"{env.get('threads')}, torch {env.get('torch')}, transformers {env.get('transformers')}, "
         f"dtype {env.get('dtype')} ({env.get('numerics')}), model `{env.get('model')}`",
     ]
+    if env.get("cost_calibration") is not None:
+        out.append(
+            "- Verification cost: "
+            + (
+                "calibrated on this machine (`specdec calibrate cost`)"
+                if env["cost_calibration"]
+                else "generic prior (no `specdec calibrate cost` for this model here)"
+            )
+        )
     if meta.get("bad_lines"):
         out.append(f"- Skipped malformed data set lines: {meta['bad_lines']}")
     loads = [r["load_avg_1m"] for r in records if r.get("load_avg_1m") is not None]

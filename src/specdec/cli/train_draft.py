@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from tqdm import tqdm
 
 from specdec.cli.common import (
+    CategoriesOpt,
     DataOpt,
     DtypeOpt,
+    ExcludeCategoriesOpt,
     GgufOpt,
     MaxStepsOpt,
     ModelOpt,
     ResumeOpt,
     ThreadsOpt,
     err_console,
+    select_categories,
     user_errors,
 )
 
@@ -75,6 +78,8 @@ def draft(
     ] = 200,
     seed: Annotated[int, typer.Option("--seed", help="Batch order and random init.")] = 0,
     resume: ResumeOpt = False,
+    categories: CategoriesOpt = None,
+    exclude_categories: ExcludeCategoriesOpt = None,
     threads: ThreadsOpt = None,
     model: ModelOpt = None,
     gguf: GgufOpt = None,
@@ -88,9 +93,14 @@ def draft(
 
     with user_errors():
         loaded = load_target(model, gguf, dtype, threads)
+        source: Any = data
+        if categories or exclude_categories:
+            from specdec.training.data import load_data
+
+            source = select_categories(load_data(data, loaded), categories, exclude_categories)
         result = train_draft(
             loaded,
-            data,
+            source,
             out,
             layers=layers,
             hidden=hidden,

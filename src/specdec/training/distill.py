@@ -759,6 +759,7 @@ def train_draft(
         "data_dir": data_dir,
         "data_manifest": None if data_dir is None else str(Path(data_dir) / MANIFEST),
         "data_fingerprint": _data_fingerprint(data),
+        "data_selection": data.selection,
         "data_records": {"train": len(train), "held_out": len(held)},
         "settings": cfg.resume_settings(),
     }
