@@ -123,6 +123,35 @@ def test_a_low_estimate_recovers_through_probes():
     assert counts(choices[-50:]).get("a", 0) == 50
 
 
+def test_a_paying_drafter_is_not_lost_after_a_bad_streak():
+    """An on-demand tree drafter (EAGLE-like: cheap, first draft accepted 60% of the time, the
+    whole tree when it is) pays on average. A long streak of rejections drives its estimate
+    below plain decoding and its probe interval to the maximum; once its drafts are accepted
+    again, probes (which still fail 40% of the time) must bring it back for good."""
+    import random
+
+    rng = random.Random(0)
+    arm = ArmSpec("eagle", on_demand=True, tree=True, draft_cost=0.05)
+    ctl = Controller([arm], flat_costs(slope=0.05), ControllerConfig(max_draft=4))
+    streak = {"bad": True}
+
+    def accept(name: str, size: int) -> int:
+        return 0 if streak["bad"] or rng.random() > 0.6 else 3
+
+    def go(steps: int) -> list[Choice]:
+        out = []
+        for _ in range(steps):
+            choice = ctl.choose({}, cap=4)
+            out.append(choice)
+            if choice.arm is not None:
+                ctl.observe(choice, 3, accept(choice.arm, 3), 6)
+        return out
+
+    go(300)  # the bad streak: probes fail, their interval grows to the maximum
+    streak["bad"] = False
+    later = go(600)
+    assert counts(later[-200:]).get("eagle", 0) > 150, ctl.state["eagle"]
+
 def test_estimates_are_conditioned_on_the_size_of_an_offered_tree():
     """A suffix-cache-like arm: its large trees (long matches) are accepted deep, its small
     ones (short matches) never. The controller learns both and drafts only the confident ones."""
