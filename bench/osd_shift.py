@@ -155,7 +155,7 @@ def write_report(records: list[dict], args: argparse.Namespace) -> None:
         "",
         f"Heads `{args.medusa}`, trained on {trained_on(args.medusa)}; online learning rate "
         f"{args.lr:g} (warm-up {args.warmup} steps, {args.steps_per_round} steps per round of "
-        "new traffic); requests served in order: {args.domains} "
+        f"new traffic); requests served in order: {args.domains} "
         f"({args.per_domain} where no count is given), "
         f"{args.max_new_tokens} new tokens, greedy, {args.threads} torch thread(s); static and "
         "adaptive interleaved per request on the same target. The online trainer is a "
