@@ -107,10 +107,8 @@ def bench(
     ] = None,
     categories: Annotated[
         str | None,
-        typer.Option(
-            help="Comma-separated task groups (mt_bench, translation, summarization, "
-            "qa, math_reasoning, rag) or raw categories (default: all)."
-        ),
+        typer.Option(help="Comma-separated task groups (mt_bench, translation, summarization, "
+                     "qa, math_reasoning, rag) or raw categories (default: all)."),
     ] = None,
     per_category: Annotated[
         int | None, typer.Option("--per-category", help="Questions per category (default: all).")
@@ -149,7 +147,7 @@ def bench(
     3 finished, but malformed data set lines were skipped.
     """
     console = Console(stderr=True)
-    argv = sys.argv[sys.argv.index("bench") :] if "bench" in sys.argv else ["bench", "..."]
+    argv = sys.argv[sys.argv.index("bench"):] if "bench" in sys.argv else ["bench", "..."]
     command = "specdec " + " ".join(shlex.quote(a) for a in argv)
     with user_errors():
         from specdec.bench import report
@@ -169,24 +167,8 @@ def bench(
             path = report.write_report(records, out, meta, plots)
             console.print(f"wrote {path}")
             return
-        _run(
-            console,
-            command,
-            dataset,
-            methods,
-            categories,
-            per_category,
-            max_new_tokens,
-            repeats,
-            out,
-            model,
-            gguf,
-            dtype,
-            num_draft_tokens,
-            threads,
-            quick,
-            plots,
-        )
+        _run(console, command, dataset, methods, categories, per_category, max_new_tokens,
+             repeats, out, model, gguf, dtype, num_draft_tokens, threads, quick, plots)
 
 
 def _run(
@@ -272,28 +254,23 @@ def _run(
         f"{max_new_tokens} new tokens; writing {out}/",
         highlight=False,
     )
-    with (
-        results_path.open("w", encoding="utf-8") as sink,
-        Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            TextColumn("ETA"),
-            TimeRemainingColumn(),
-            console=console,
-        ) as progress,
-    ):
+    with results_path.open("w", encoding="utf-8") as sink, Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        console=console,
+    ) as progress:
         task = progress.add_task("warm-up", total=total)
 
         def on_run(phase: str, rec: dict[str, Any] | None) -> None:
             if rec is not None:
                 sink.write(json.dumps(rec) + "\n")
                 sink.flush()
-                desc = (
-                    f"{rec['group']} q{rec['question_id']} {rec['method']}: "
-                    f"{rec['tokens_per_s']:.1f} tok/s"
-                )
+                desc = (f"{rec['group']} q{rec['question_id']} {rec['method']}: "
+                        f"{rec['tokens_per_s']:.1f} tok/s")
             else:
                 desc = "warm-up"
             progress.update(task, advance=1, description=desc)
@@ -321,7 +298,9 @@ def _run(
     path = report.write_report(records, out, meta, plots)
     _print_overall(Console(), records)
     console.print(f"wrote {results_path} and {path}")
-    unexplained = {s.method: s.identity for s in stats.summarize(records) if s.identity.unexplained}
+    unexplained = {
+        s.method: s.identity for s in stats.summarize(records) if s.identity.unexplained
+    }
     if unexplained:
         names = ", ".join(f"{m} ({i.unexplained} prompts)" for m, i in unexplained.items())
         err_console.print(f"[bold red]identity:[/] output differs from plain decoding: {names}")
