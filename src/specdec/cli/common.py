@@ -6,12 +6,15 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
 
 from specdec.errors import SpecDecError
+
+if TYPE_CHECKING:
+    from specdec.training.data import SelfDistilledData
 
 err_console = Console(stderr=True)
 
@@ -160,8 +163,10 @@ ExcludeCategoriesOpt = Annotated[
 ]
 
 
-def select_categories(dataset: Any, include: str | None, exclude: str | None) -> Any:
-    """``dataset`` (SelfDistilledData) restricted by the ``--categories`` options."""
+def select_categories(
+    dataset: SelfDistilledData, include: str | None, exclude: str | None
+) -> SelfDistilledData:
+    """``dataset`` restricted by the ``--categories`` / ``--exclude-categories`` options."""
 
     def names(text: str | None) -> list[str]:
         return [x.strip() for x in (text or "").split(",") if x.strip()]

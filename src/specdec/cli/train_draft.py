@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from tqdm import tqdm
@@ -22,6 +22,9 @@ from specdec.cli.common import (
     select_categories,
     user_errors,
 )
+
+if TYPE_CHECKING:
+    from specdec.training.data import SelfDistilledData
 
 
 def draft(
@@ -93,7 +96,7 @@ def draft(
 
     with user_errors():
         loaded = load_target(model, gguf, dtype, threads)
-        source: Any = data
+        source: Path | SelfDistilledData = data
         if categories or exclude_categories:
             from specdec.training.data import load_data
 

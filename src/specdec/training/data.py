@@ -134,14 +134,13 @@ class SelfDistilledData:
             )
         if _sha256(path) != self.manifest.prompts_sha256:
             raise DataError(f"{path} changed since this data was generated; cannot map categories")
-        cats: list[str | None] = []
-        with path.open(encoding="utf-8") as f:
-            for line in f:
-                if line.strip():
-                    obj = json.loads(line)
-                    cat = obj.get("category") if isinstance(obj, dict) else None
-                    cats.append(cat if isinstance(cat, str) else None)
-        return [cats[r.index] if r.index < len(cats) else None for r in self.records]
+        cats = [
+            obj.get("category") if isinstance(obj, dict) else None for _, obj in _json_lines(path)
+        ]
+        return [
+            c if isinstance(c, str) else None
+            for c in (cats[r.index] if r.index < len(cats) else None for r in self.records)
+        ]
 
     def select(self, include: Sequence[str] = (), exclude: Sequence[str] = ()) -> SelfDistilledData:
         """The records whose prompt category is in ``include`` (all when empty) and not in
@@ -174,27 +173,33 @@ def load_prompts(path: str | os.PathLike[str]) -> list[str]:
     """Prompts from a JSONL file: each line an object with ``prompt`` (our training mix) or
     ``turns`` (Spec-Bench / MT-bench style; the first turn is used)."""
     p = Path(path)
+    prompts: list[str] = []
+    for lineno, obj in _json_lines(p):
+        text = _prompt_text(obj)
+        if text is None:
+            raise DataError(
+                f"{p}:{lineno}: expected an object with a non-empty 'prompt' string or a "
+                "'turns' list"
+            )
+        prompts.append(text)
+    if not prompts:
+        raise DataError(f"prompt file {p} holds no prompts")
+    return prompts
+
+
+def _json_lines(p: Path) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed object) of each non-blank line: the numbering records' ``index``
+    counts in (blank lines skipped)."""
     if not p.is_file():
         raise DataError(f"prompt file {str(p)!r} does not exist")
-    prompts: list[str] = []
     with p.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                yield lineno, json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{p}:{lineno}: not valid JSON ({e.msg})") from None
-            text = _prompt_text(obj)
-            if text is None:
-                raise DataError(
-                    f"{p}:{lineno}: expected an object with a non-empty 'prompt' string or a "
-                    "'turns' list"
-                )
-            prompts.append(text)
-    if not prompts:
-        raise DataError(f"prompt file {p} holds no prompts")
-    return prompts
 
 
 def _prompt_text(obj: Any) -> str | None:
