@@ -27,7 +27,7 @@ import torch
 from specdec import SpeculativeEngine
 from specdec.config import GenerationConfig
 from specdec.heads.medusa import load_medusa
-from specdec.speculators.medusa import resolve_topology
+from specdec.speculators.medusa import resolve_topology, topology_sizer
 from specdec.speculators.osd import OnlineConfig, OnlineMedusaSpeculator
 from specdec.target import HFTarget, load_model
 
@@ -82,6 +82,12 @@ def main() -> None:
         default=defaults.steps_per_round,
         help="optimiser steps per batch of new traffic",
     )
+    ap.add_argument(
+        "--fixed-tree",
+        action="store_true",
+        help="the online heads keep the static heads' tree instead of resizing it from their "
+        "measured accuracies (isolates what the weights alone gain)",
+    )
     ap.add_argument("--out", type=Path, default=Path("osd-shift"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -101,6 +107,7 @@ def main() -> None:
         resolve_topology(None, heads),
         OnlineConfig(lr=args.lr, warmup=args.warmup, steps_per_round=args.steps_per_round),
         state_dir=args.out / "osd-state",
+        sizer=None if args.fixed_tree else topology_sizer(None),
     )
     online = SpeculativeEngine(HFTarget(loaded), loaded.tokenizer, learner, loaded=loaded)
     static.generate("Name three colours.", max_new_tokens=8)  # warm-up, outside the stream
@@ -119,13 +126,16 @@ def main() -> None:
             row["identical"] = outs["static"] == outs["adaptive"]
             row["osd_version"] = learner.version
             row["osd_steps"] = learner.trainer.steps
+            row["static_nodes"] = len(static.speculator.topology)
+            row["adaptive_nodes"] = len(learner.current_topology)
             records.append(row)
             sink.write(json.dumps(row) + "\n")
             sink.flush()
             print(
                 f"{i:4d} {domain:12s} τ static {row['static_tau']:.2f} adaptive "
                 f"{row['adaptive_tau']:.2f} | tok/s {row['static_tps']:.1f} "
-                f"{row['adaptive_tps']:.1f} | weights v{row['osd_version']}",
+                f"{row['adaptive_tps']:.1f} | weights v{row['osd_version']} | tree "
+                f"{row['static_nodes']} / {row['adaptive_nodes']} nodes",
                 flush=True,
             )
     learner.close()
@@ -155,7 +165,13 @@ def write_report(records: list[dict], args: argparse.Namespace) -> None:
         "",
         f"Heads `{args.medusa}`, trained on {trained_on(args.medusa)}; online learning rate "
         f"{args.lr:g} (warm-up {args.warmup} steps, {args.steps_per_round} steps per round of "
-        f"new traffic); requests served in order: {args.domains} "
+        f"new traffic; tree "
+        + (
+            "fixed to the static heads'"
+            if args.fixed_tree
+            else "resized from the online heads' measured accuracies at each publication"
+        )
+        + f"); requests served in order: {args.domains} "
         f"({args.per_domain} where no count is given), "
         f"{args.max_new_tokens} new tokens, greedy, {args.threads} torch thread(s); static and "
         "adaptive interleaved per request on the same target. The online trainer is a "
@@ -165,8 +181,8 @@ def write_report(records: list[dict], args: argparse.Namespace) -> None:
         f"{sum(r['identical'] for r in records)}/{len(records)}.",
         "",
         "| requests | domain | τ static | τ adaptive | τ ratio | tok/s static | tok/s adaptive "
-        "| online steps |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| online steps | tree nodes static / adaptive |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for start in range(0, len(records), args.block):
         block = records[start : start + args.block]
@@ -177,7 +193,8 @@ def write_report(records: list[dict], args: argparse.Namespace) -> None:
             f"| {start + 1}-{start + len(block)} | {block[0]['domain']} | "
             f"{mean['static_tau']:.2f} | {mean['adaptive_tau']:.2f} | "
             f"{mean['adaptive_tau'] / mean['static_tau']:.2f} | {mean['static_tps']:.2f} | "
-            f"{mean['adaptive_tps']:.2f} | {block[-1]['osd_steps']} |"
+            f"{mean['adaptive_tps']:.2f} | {block[-1]['osd_steps']} | "
+            f"{block[-1].get('static_nodes', '?')} / {block[-1].get('adaptive_nodes', '?')} |"
         )
     (args.out / "report.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -8,6 +8,7 @@ from the target's LM head, as `specdec train medusa` starts them.
 from __future__ import annotations
 
 import hashlib
+import math
 from pathlib import Path
 
 import pytest
@@ -16,9 +17,10 @@ import torch
 from specdec import SpeculativeEngine
 from specdec.errors import CheckpointError, ConfigError
 from specdec.heads.medusa import MedusaConfig, MedusaHeads, load_medusa
+from specdec.speculators.medusa import best_sized_topology, resolve_topology
 from specdec.speculators.osd import OnlineConfig, OnlineMedusaSpeculator, OnlineTrainer
 from specdec.target import HFTarget, load_model
-from specdec.tree.topology import load_topology
+from specdec.tree.topology import expected_accepted, generic_profile, load_topology
 
 PROMPTS = [
     "ROMEO: But soft, what light",
@@ -172,3 +174,66 @@ def test_trainer_thread_stops(tiny64, heads_dir):
     assert thread is not None and thread.is_alive()
     trainer.stop()
     assert not thread.is_alive()
+
+
+def test_the_tree_is_resized_from_accuracy_measured_before_training(heads_dir):
+    """Each round measures the heads on traffic they have not trained on yet, and the published
+    tree is the sizing rule applied to those accuracies: heads that predict the traffic get a
+    deeper tree, with more expected accepted tokens, than the checkpoint's prior figures gave."""
+    heads = load_medusa(heads_dir)
+    cfg = OnlineConfig(batch=64, min_examples=64, steps_per_round=1, publish_every=1, lr=1e-6,
+                       accuracy_prior=256, accuracy_window=512)  # fmt: skip
+    trainer = OnlineTrainer(heads, cfg, sizer=best_sized_topology)
+    prior = trainer.accuracy()
+    profile = generic_profile()[: heads.config.num_heads]  # the heads carry no figures of their own
+    assert [a for row in prior for a in row] == pytest.approx([a for row in profile for a in row])
+    h = torch.randn(64, heads.config.hidden_size)
+    with torch.no_grad():
+        labels = heads.to_target_ids(heads(h).argmax(-1))  # [64, K]: what the heads predict
+    trainer.add(h, labels)
+    assert trainer.train_round()
+    decay = math.exp(-64 / 512)
+    measured = trainer.accuracy()
+    for k in range(heads.config.num_heads):  # rank 0 was right on all 64 new examples
+        assert measured[k][0] == pytest.approx(
+            (prior[k][0] * 256 * decay + 64) / (256 * decay + 64)
+        )
+        assert measured[k][1] == pytest.approx(prior[k][1] * 256 * decay / (256 * decay + 64))
+    published = trainer.published
+    assert published.heads.config.accuracy == measured
+    assert published.topology == best_sized_topology(measured)
+    for _ in range(5):  # more of the same traffic: the measured figures approach 1
+        h = torch.randn(64, heads.config.hidden_size)
+        with torch.no_grad():
+            trainer.add(h, heads.to_target_ids(heads(h).argmax(-1)))
+        assert trainer.train_round()
+    assert min(row[0] for row in trainer.accuracy()) > 0.75
+    tree, start = trainer.published.topology, best_sized_topology(prior)
+    assert max(map(len, tree)) == heads.config.num_heads > max(map(len, start))  # deeper
+    assert expected_accepted(tree, trainer.accuracy()) > expected_accepted(start, prior)
+
+
+def test_a_restored_learner_starts_from_its_resized_tree(tiny64, heads_dir, tmp_path):
+    engine = SpeculativeEngine.from_pretrained(
+        tiny64, method="osd", medusa=str(heads_dir), osd=str(tmp_path / "state")
+    )
+    spec = engine.speculator
+    spec.trainer.stop()  # drive the rounds here
+    for prompt in PROMPTS * 2:
+        engine.generate(prompt, max_new_tokens=40, ignore_eos=True)
+        while spec.trainer.train_round():
+            pass
+    assert spec.version > 0
+    assert spec.current_topology == resolve_topology(None, spec.trainer.published.heads)
+    spec.save(tmp_path / "state")
+    restored = SpeculativeEngine.from_pretrained(
+        tiny64, method="osd", medusa=str(heads_dir), osd=str(tmp_path / "state")
+    ).speculator
+    assert restored.current_topology == spec.current_topology
+    restored.close()
+    fixed = SpeculativeEngine.from_pretrained(
+        tiny64, method="osd", medusa=str(heads_dir), tree="sparse-8"
+    ).speculator
+    fixed.trainer.publish()
+    assert fixed.current_topology == load_topology("sparse-8", 3)  # a named tree stays fixed
+    fixed.close()

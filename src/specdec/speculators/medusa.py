@@ -10,6 +10,7 @@ and no extra target pass: the hidden state comes from the verification pass that
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -78,13 +79,26 @@ def resolve_topology(spec: str | None, heads: MedusaHeads) -> Topology:
     """
     spec = spec or "calibrated"
     num_heads = heads.config.num_heads
-    m = re.fullmatch(r"calibrated(?::(\d+))?", spec)
-    if m:
-        accuracy = heads.config.accuracy[:num_heads] or generic_profile()[:num_heads]
-        if m.group(1):
-            return calibrated_topology(accuracy, int(m.group(1)))
-        return best_sized_topology(accuracy)
+    sizer = topology_sizer(spec)
+    if sizer is not None:
+        return sizer(heads.config.accuracy[:num_heads] or generic_profile()[:num_heads])
     return load_topology(spec, num_heads)
+
+
+def topology_sizer(spec: str | None) -> Callable[[list[list[float]]], Topology] | None:
+    """How ``spec`` turns measured accuracies into a tree, for a speculator whose accuracies
+    change (the online learner); None for a preset or a file, which fix the tree.
+
+    >>> topology_sizer("sparse-8") is None, len(topology_sizer("calibrated:5")([[0.5] * 4] * 4))
+    (True, 5)
+    """
+    m = re.fullmatch(r"calibrated(?::(\d+))?", spec or "calibrated")
+    if not m:
+        return None
+    if m.group(1):
+        nodes = int(m.group(1))
+        return lambda accuracy: calibrated_topology(accuracy, nodes)
+    return best_sized_topology
 
 
 def best_sized_topology(accuracy: list[list[float]], max_nodes: int = MAX_TREE_NODES) -> Topology:

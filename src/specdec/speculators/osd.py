@@ -12,6 +12,16 @@ published heads once per step, so a step never mixes weights, and the swap never
 decoding (one reference assignment). The adapted state (heads, optimiser-free) is saved to and
 restored from a directory in the Medusa checkpoint format.
 
+The tree adapts with the heads. A calibrated topology is only as good as the accuracies it was
+built from, and the checkpoint's were measured on its training domain: on new traffic the static
+tree is too bushy where the heads are poor and too shallow once they have learnt it. So the
+trainer measures the heads' per-rank accuracy on each batch of new traffic *before* training on
+it (an honest held-out estimate, decayed over ``accuracy_window`` examples and starting from the
+checkpoint's figures), and each publication carries the tree rebuilt from those accuracies by the
+same sizing rule the static heads used (``calibrated`` / ``calibrated:N``; a preset or file
+topology stays fixed). The saved state records the accuracies, so a restored learner starts
+from the tree it had.
+
 Lossless: the heads only propose; the target verifies every draft as for static Medusa.
 Guardrail: under ``--method auto`` with both static Medusa heads and this speculator, the
 controller does not choose it while its first-position acceptance is below the static one's.
@@ -20,12 +30,14 @@ controller does not choose it while its first-position acceptance is below the s
 from __future__ import annotations
 
 import copy
+import dataclasses
+import math
 import os
 import random
 import shutil
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -36,10 +48,18 @@ from specdec.config import SpeculationConfig
 from specdec.errors import CheckpointError, ConfigError
 from specdec.heads.medusa import IGNORE, MedusaHeads, load_medusa
 from specdec.speculators.base import DraftContext, Feedback, register
-from specdec.speculators.medusa import MedusaSpeculator, check_heads_fit, resolve_topology
+from specdec.speculators.medusa import (
+    MedusaSpeculator,
+    check_heads_fit,
+    resolve_topology,
+    topology_sizer,
+)
 from specdec.target import LoadedModel
 from specdec.tree import DraftTree
-from specdec.tree.topology import Topology
+from specdec.tree.topology import Topology, generic_profile
+
+# Builds a tree from per-depth, per-rank accuracies (see topology_sizer); None: a fixed tree.
+Sizer = Callable[[list[list[float]]], Topology]
 
 
 @dataclass(frozen=True)
@@ -48,7 +68,9 @@ class OnlineConfig:
     ``min_examples``: wait for this many before the first step; ``steps_per_round``: optimiser
     steps per new batch of traffic, so training follows the traffic instead of spinning on a
     stale buffer; ``publish_every``: optimiser steps between swaps; ``warmup``: steps over which
-    the learning rate ramps up to ``lr``.
+    the learning rate ramps up to ``lr``; ``accuracy_window``: examples over which the measured
+    head accuracies (which size the tree) are averaged, older ones weighing exponentially less;
+    ``accuracy_prior``: how many examples the checkpoint's own accuracies count as at the start.
 
     Defaults from replaying self-distilled traffic through the trainer (chat-trained heads, then
     translation and code answers; ``docs/osd-shift``): lr 1e-3 with 8 steps per round learned
@@ -63,6 +85,8 @@ class OnlineConfig:
     publish_every: int = 4
     head_decay: float = 0.8
     warmup: int = 200
+    accuracy_window: int = 2048
+    accuracy_prior: int = 256
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -70,21 +94,28 @@ class OnlineConfig:
             raise ConfigError("online training needs positive buffer, batch, steps and minimum")
         if self.publish_every < 1 or not self.lr > 0 or self.warmup < 0:
             raise ConfigError("online training needs publish_every >= 1, lr > 0, warmup >= 0")
+        if self.accuracy_window < 1 or self.accuracy_prior < 0:
+            raise ConfigError("online training needs accuracy_window >= 1 and accuracy_prior >= 0")
 
 
 @dataclass(frozen=True)
 class Published:
-    """One immutable set of weights and its version (0 = the initial heads)."""
+    """One immutable set of weights, the tree to draft with them (None: the speculator's fixed
+    topology) and its version (0 = the initial heads)."""
 
     version: int
     heads: MedusaHeads
+    topology: Topology | None = None
 
 
 class OnlineTrainer:
     """The bounded buffer and the background thread that distils it into the heads."""
 
-    def __init__(self, heads: MedusaHeads, config: OnlineConfig) -> None:
+    def __init__(
+        self, heads: MedusaHeads, config: OnlineConfig, sizer: Sizer | None = None
+    ) -> None:
         self.config = config
+        self.sizer = sizer
         self._shadow = copy.deepcopy(heads).train()
         for p in self._shadow.parameters():
             p.requires_grad_(True)
@@ -92,7 +123,18 @@ class OnlineTrainer:
         k = heads.config.num_heads
         self.num_heads = k
         self._weights = torch.tensor([config.head_decay**i for i in range(k)])  # [K]
-        self.published = Published(0, _frozen_copy(heads))
+        # accuracy counts [K, R]: the checkpoint's figures as accuracy_prior pseudo-examples
+        prior = [list(row) for row in heads.config.accuracy[:k]]
+        if len(prior) < k or not all(prior):
+            prior = [list(row) for row in generic_profile()[:k]]
+        ranks = max(len(row) for row in prior)
+        prior_t = torch.zeros(k, ranks)
+        for d, row in enumerate(prior):
+            prior_t[d, : len(row)] = torch.tensor(row[:ranks], dtype=torch.float32)
+        self._hits = prior_t * config.accuracy_prior  # [K, R]
+        self._counted = torch.full((k,), float(config.accuracy_prior))  # [K]
+        self.measured = 0  # examples whose accuracy was measured
+        self.published = Published(0, _frozen_copy(heads))  # drafts with the given topology
         self._buffer: deque[tuple[torch.Tensor, torch.Tensor]] = deque(maxlen=config.buffer)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -137,8 +179,10 @@ class OnlineTrainer:
         with self._lock:
             if len(self._buffer) < cfg.min_examples or self._new < cfg.batch:
                 return False
+            fresh = [self._buffer[-i] for i in range(1, min(self._new, len(self._buffer)) + 1)]
             self._new = 0
             pool = list(self._buffer)
+        self._measure(fresh)
         for _ in range(cfg.steps_per_round):
             batch = self._rng.sample(pool, min(cfg.batch, len(pool)))
             h = torch.stack([b[0] for b in batch]).float()  # [B, H]
@@ -157,10 +201,38 @@ class OnlineTrainer:
                 self.publish()
         return True
 
+    def _measure(self, fresh: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Count how often each head's rank-r candidate was right on traffic it has not been
+        trained on yet, decaying older counts over ``accuracy_window`` examples."""
+        if not fresh:
+            return
+        h = torch.stack([b[0] for b in fresh]).float()  # [B, H]
+        y = torch.stack([b[1] for b in fresh])  # [B, K]
+        ranks = self._hits.shape[1]
+        with torch.inference_mode():
+            top = torch.topk(self._shadow(h), ranks, dim=-1).indices  # [B, K, R]
+            top = self._shadow.to_target_ids(top)
+        valid = y != IGNORE  # [B, K]
+        match = (top == y[..., None]) & valid[..., None]  # [B, K, R]
+        decay = math.exp(-len(fresh) / self.config.accuracy_window)
+        self._hits = self._hits * decay + match.sum(0).float()
+        self._counted = self._counted * decay + valid.sum(0).float()
+        self.measured += len(fresh)
+
+    def accuracy(self) -> list[list[float]]:
+        """The current estimate of ``acc[k][r]`` = P(head k's rank-r candidate is right)."""
+        acc: list[list[float]] = (self._hits / self._counted.clamp_min(1e-9)[:, None]).tolist()
+        return acc
+
     def publish(self) -> None:
-        """Swap in a copy of the trained weights: one reference assignment, so a reader holds
-        either the old copy or the new one, never a mixture."""
-        self.published = Published(self.published.version + 1, _frozen_copy(self._shadow))
+        """Swap in a copy of the trained weights, their measured accuracies and the tree sized
+        from them: one reference assignment, so a reader holds either the old set or the new
+        one, never a mixture."""
+        heads = _frozen_copy(self._shadow)
+        accuracy = self.accuracy()
+        heads.config = dataclasses.replace(heads.config, accuracy=accuracy)
+        topology = None if self.sizer is None else self.sizer(accuracy)
+        self.published = Published(self.published.version + 1, heads, topology)
 
     def _run(self) -> None:
         while True:
@@ -195,8 +267,11 @@ class OnlineMedusaSpeculator:
         *,
         state_dir: str | os.PathLike[str] | None = None,
         background: bool = True,
+        sizer: Sizer | None = None,
     ) -> None:
-        self.trainer = OnlineTrainer(heads, config or OnlineConfig())
+        """``topology``: the tree until the first publication, and always when ``sizer`` is None;
+        ``sizer``: rebuilds the tree from measured accuracies at each publication."""
+        self.trainer = OnlineTrainer(heads, config or OnlineConfig(), sizer)
         self.topology = topology
         self.state_dir = None if state_dir is None else Path(state_dir)
         self.background = background
@@ -260,7 +335,13 @@ class OnlineMedusaSpeculator:
         snapshot = self.trainer.published  # read once: one set of weights for the whole step
         self.versions_used.append(snapshot.version)
         del self.versions_used[:-1024]
-        return MedusaSpeculator(snapshot.heads, self.topology).propose(context, budget)
+        topology = snapshot.topology or self.topology
+        return MedusaSpeculator(snapshot.heads, topology).propose(context, budget)
+
+    @property
+    def current_topology(self) -> Topology:
+        """The tree the next proposal drafts with."""
+        return self.trainer.published.topology or self.topology
 
     def observe(self, feedback: Feedback) -> None:
         pass  # examples come from the committed tokens and states (watch), not from drafts
@@ -307,4 +388,9 @@ def initial_heads(config: SpeculationConfig, target: LoadedModel) -> MedusaHeads
 @register("osd")
 def _build(target: LoadedModel, config: SpeculationConfig) -> OnlineMedusaSpeculator:
     heads = initial_heads(config, target)
-    return OnlineMedusaSpeculator(heads, resolve_topology(config.tree, heads), state_dir=config.osd)
+    return OnlineMedusaSpeculator(
+        heads,
+        resolve_topology(config.tree, heads),
+        state_dir=config.osd,
+        sizer=topology_sizer(config.tree),
+    )
