@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from specdec import SpeculativeEngine
 from specdec.config import GenerationConfig, SamplingConfig
 from specdec.errors import CheckpointError, ConfigError, DataError
-from specdec.heads.medusa import MedusaConfig, MedusaHeads, load_medusa
+from specdec.heads.medusa import IGNORE, MedusaConfig, MedusaHeads, candidate_hits, load_medusa
 from specdec.target import HFTarget, ModelRunner, load_model
 from specdec.training.data import generate_data, load_data, load_prompts, prompt_order
 from specdec.training.medusa import MedusaTrainConfig, train_medusa
@@ -112,7 +112,10 @@ def test_data_selects_categories_from_its_prompt_file(tiny, tmp_path):
     prompts = tmp_path / "p.jsonl"
     cats = ["chat", "code", "chat", "translation", "code", "chat"]
     prompts.write_text(
-        "".join(json.dumps({"prompt": t, "category": c}) + "\n" for t, c in zip(PROMPTS, cats))
+        "".join(
+            json.dumps({"prompt": t, "category": c}) + "\n"
+            for t, c in zip(PROMPTS, cats, strict=True)
+        )
     )
     out = tmp_path / "sd"
     generate_data(tiny, prompts, out, max_new_tokens=4, batch_size=6, shard_size=6)
@@ -133,6 +136,7 @@ def test_data_selects_categories_from_its_prompt_file(tiny, tmp_path):
     prompts.write_text(prompts.read_text() + json.dumps({"prompt": "x"}) + "\n")
     with pytest.raises(DataError, match="changed since this data was generated"):
         data.categories()
+
 
 def test_data_errors(tiny, prompt_file, data_dir, tmp_path, tiny_draft_dir):
     with pytest.raises(DataError, match="does not exist"):
@@ -317,3 +321,26 @@ def test_typical_acceptance_worked_example():
     assert acc.path == (0, 2) and acc.tokens[0] == 1
     with pytest.raises(ConfigError):
         TypicalAcceptanceRule(epsilon=0.0)
+
+
+def test_chained_accuracies_multiply_to_a_chains_acceptance():
+    """Heads whose errors coincide (the usual case): head 2 is right exactly where head 1 is.
+    Counted after a right chain, the figures multiply to the chain's true acceptance; the
+    unconditional ones would predict half of it for the second token."""
+    labels = torch.tensor([[5, 6], [5, 6], [7, 8], [7, 8]])  # [B=4, K=2]
+    wrong = torch.tensor([[9, 9], [9, 9]])
+    top = torch.stack([labels[0], labels[1], wrong[0], wrong[1]])[..., None]  # [4, 2, R=1]
+    match, valid, chained = candidate_hits(top, labels)
+    assert valid.all()
+    assert chained.tolist() == [[True, True], [True, True], [True, False], [True, False]]
+    conditional = [
+        float((match[:, k, 0] & chained[:, k]).sum() / chained[:, k].sum()) for k in (0, 1)
+    ]
+    unconditional = match[..., 0].float().mean(0).tolist()
+    chain = ((0,), (0, 0))
+    true_accepted = 2 * 0.5  # half the positions accept both tokens, the rest none
+    assert expected_accepted(chain, [[a] for a in conditional]) == pytest.approx(true_accepted)
+    assert expected_accepted(chain, [[a] for a in unconditional]) == pytest.approx(0.75)
+    labels[0, 1] = IGNORE  # a head without a label is neither counted nor chained
+    _, valid, chained = candidate_hits(top, labels)
+    assert not valid[0, 1] and not chained[0, 1]

@@ -76,8 +76,8 @@ def medusa(
             loaded, dataset, out, config, resume=resume, progress=tqdm, log=tqdm.write
         )
     top = "  ".join(
-        f"head {k + 1}: top-1 {a[0]:.3f} top-5 {sum(a[:5]):.3f}"
-        for k, a in enumerate(result.accuracy)
+        f"head {k + 1}: top-1 {t:.3f} ({a[0]:.3f} after a right chain)"
+        for k, (t, a) in enumerate(zip(result.top1, result.accuracy, strict=True))
     )
     err_console.print(
         f"saved {out} after {result.steps} steps in {result.seconds:.0f} s "

@@ -48,7 +48,8 @@ class MedusaConfig:
     num_layers: int = 1
     draft_vocab_size: int | None = None  # None: the full vocabulary, no token map
     target: dict[str, Any] = field(default_factory=dict)  # the target's identity
-    # held-out top-k accuracy per head: accuracy[h][r] = P(rank-r candidate of head h is right)
+    # held-out accuracy[h][r] = P(rank-r candidate of head h is right | the rank-0 candidates of
+    # heads 0..h-1 were), so a tree path's probability is their product (see candidate_hits)
     accuracy: list[list[float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -167,6 +168,27 @@ class MedusaHeads(nn.Module):
         save_file(state, str(out / WEIGHTS))
         cfg = {"specdec_model_type": MODEL_TYPE, **asdict(self.config), **(extra or {})}
         (out / CONFIG).write_text(json.dumps(cfg, indent=2))
+
+
+def candidate_hits(
+    top_ids: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Which ranked candidates were right, and where a head's accuracy counts.
+
+    Returns ``match`` [B, K, R] (head k's rank-r candidate is the label), ``valid`` [B, K]
+    (head k has a label) and ``chained`` [B, K] (valid, and every shallower head's rank-0
+    candidate was right). Heads' errors are strongly correlated (a head that got t+2 right
+    usually sees an easy continuation), so accuracies counted over ``chained`` rows multiply
+    along a tree path to that path's probability, while unconditional ones underestimate a
+    4-deep chain of trained heads by about a fifth and size trees too shallow.
+    top_ids [B, K, R] target ids, labels [B, K] (IGNORE where unknown).
+    """
+    valid = labels != IGNORE  # [B, K]
+    match = (top_ids == labels[..., None]) & valid[..., None]  # [B, K, R]
+    right0 = match[..., 0]  # [B, K]
+    before = torch.ones_like(valid)
+    before[:, 1:] = torch.cumprod(right0[:, :-1].long(), dim=1).bool()
+    return match, valid, valid & before
 
 
 def load_medusa(path: str | os.PathLike[str]) -> MedusaHeads:

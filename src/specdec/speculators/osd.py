@@ -46,7 +46,7 @@ import torch
 
 from specdec.config import SpeculationConfig
 from specdec.errors import CheckpointError, ConfigError
-from specdec.heads.medusa import IGNORE, MedusaHeads, load_medusa
+from specdec.heads.medusa import IGNORE, MedusaHeads, candidate_hits, load_medusa
 from specdec.speculators.base import DraftContext, Feedback, register
 from specdec.speculators.medusa import (
     MedusaSpeculator,
@@ -202,8 +202,9 @@ class OnlineTrainer:
         return True
 
     def _measure(self, fresh: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Count how often each head's rank-r candidate was right on traffic it has not been
-        trained on yet, decaying older counts over ``accuracy_window`` examples."""
+        """Count how often each head's rank-r candidate was right (after a right chain, as
+        trees need: ``candidate_hits``) on traffic it has not been trained on yet, decaying
+        older counts over ``accuracy_window`` examples."""
         if not fresh:
             return
         h = torch.stack([b[0] for b in fresh]).float()  # [B, H]
@@ -212,11 +213,10 @@ class OnlineTrainer:
         with torch.inference_mode():
             top = torch.topk(self._shadow(h), ranks, dim=-1).indices  # [B, K, R]
             top = self._shadow.to_target_ids(top)
-        valid = y != IGNORE  # [B, K]
-        match = (top == y[..., None]) & valid[..., None]  # [B, K, R]
+        match, _, chained = candidate_hits(top, y)  # trees need the chained figures
         decay = math.exp(-len(fresh) / self.config.accuracy_window)
-        self._hits = self._hits * decay + match.sum(0).float()
-        self._counted = self._counted * decay + valid.sum(0).float()
+        self._hits = self._hits * decay + (match & chained[..., None]).sum(0).float()
+        self._counted = self._counted * decay + chained.sum(0).float()
         self.measured += len(fresh)
 
     def accuracy(self) -> list[list[float]]:

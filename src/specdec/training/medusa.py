@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from specdec.errors import ConfigError, DataError
-from specdec.heads.medusa import IGNORE, MedusaConfig, MedusaHeads
+from specdec.heads.medusa import IGNORE, MedusaConfig, MedusaHeads, candidate_hits
 from specdec.target.loading import LoadedModel
 from specdec.target.numerics import dense_weight
 from specdec.training.checkpoint import (
@@ -81,14 +81,12 @@ class MedusaTrainResult:
     train_positions: int
     held_out_positions: int
     draft_vocab_coverage: float
-    accuracy: list[list[float]]  # [K, ranks]: P(rank-r candidate of head k is right)
+    # [K, ranks]: P(rank-r candidate of head k is right | heads before it right at rank 0)
+    accuracy: list[list[float]]
+    top1: list[float]  # [K]: P(head k's first candidate is right), unconditionally
     seconds: float
     feature_seconds: float
     history: list[dict[str, float]] = field(default_factory=list)
-
-    @property
-    def top1(self) -> list[float]:
-        return [row[0] for row in self.accuracy]
 
 
 @dataclass
@@ -178,10 +176,11 @@ def draft_vocabulary(records: Sequence[Record], size: int, vocab_size: int) -> t
 
 
 def head_accuracy(
-    heads: MedusaHeads, feats: Features, ranks: int, batch: int = 1024
+    heads: MedusaHeads, feats: Features, ranks: int, batch: int = 1024, *, chained: bool = True
 ) -> list[list[float]]:
-    """``acc[k][r]``: fraction of positions where head k's rank-r candidate is the label
-    (labels outside the draft vocabulary count as misses)."""
+    """``acc[k][r]``: how often head k's rank-r candidate is the label (labels outside the draft
+    vocabulary count as misses); with ``chained``, among positions where heads 0..k-1 had their
+    rank-0 candidate right, the figure trees are sized from (see ``candidate_hits``)."""
     k_heads = heads.config.num_heads
     hits = torch.zeros(k_heads, ranks)
     counted = torch.zeros(k_heads)
@@ -189,12 +188,11 @@ def head_accuracy(
         for i in range(0, len(feats), batch):
             h = feats.hidden[i : i + batch].float()  # [B, H]
             labels = feats.labels[i : i + batch]  # [B, K]
-            top = torch.topk(heads(h), ranks, dim=-1).indices  # [B, K, R]
-            top = heads.to_target_ids(top)
-            valid = labels != IGNORE  # [B, K]
-            match = (top == labels[..., None]) & valid[..., None]  # [B, K, R]
-            hits += match.sum(0).float()
-            counted += valid.sum(0).float()
+            top = heads.to_target_ids(torch.topk(heads(h), ranks, dim=-1).indices)  # [B, K, R]
+            match, valid, chain = candidate_hits(top, labels)
+            rows = chain if chained else valid  # [B, K]
+            hits += (match & rows[..., None]).sum(0).float()
+            counted += rows.sum(0).float()
     return (hits / counted.clamp_min(1)[:, None]).tolist()
 
 
@@ -283,20 +281,21 @@ def train_medusa(
             bar.set_postfix(loss=f"{loss_value:.3f}")
             if step % config.eval_every == 0 or step == total_steps:
                 heads.eval()
-                acc = head_accuracy(heads, held, 1)
+                acc = head_accuracy(heads, held, 1, chained=False)
                 heads.train()
                 entry = {"step": float(step), "loss": loss_value}
                 entry.update({f"top1_head{k + 1}": a[0] for k, a in enumerate(acc)})
                 history.append(entry)
                 if log is not None:
-                    top1 = " ".join(f"{a[0]:.3f}" for a in acc)
-                    log(f"step {step}: loss {loss_value:.3f}, held-out top-1 per head {top1}")
+                    shown = " ".join(f"{a[0]:.3f}" for a in acc)
+                    log(f"step {step}: loss {loss_value:.3f}, held-out top-1 per head {shown}")
             if step % config.checkpoint_every == 0 and step < total_steps:
                 save_training_state(state_path, heads, opt, sched, step, history)
     finally:
         bar.close()
     heads.eval()
     accuracy = head_accuracy(heads, held, config.eval_ranks)
+    top1 = [row[0] for row in head_accuracy(heads, held, 1, chained=False)]
     heads.config = MedusaConfig(**{**asdict(mconfig), "accuracy": accuracy})
     seconds = time.perf_counter() - started
     heads.save(
@@ -310,6 +309,7 @@ def train_medusa(
                 "held_out_positions": len(held),
                 "steps": step,
                 "config": asdict(config),
+                "held_out_top1": [round(a, 4) for a in top1],
                 "draft_vocab_coverage": round(coverage, 4),
                 "target_agreement_on_data": round(train.target_agreement, 4),
                 "seconds": round(seconds, 1),
@@ -324,6 +324,7 @@ def train_medusa(
         held_out_positions=len(held),
         draft_vocab_coverage=coverage,
         accuracy=accuracy,
+        top1=top1,
         seconds=seconds,
         feature_seconds=feature_seconds,
         history=history,

@@ -58,7 +58,9 @@ def calibrated_topology(accuracy: Sequence[Sequence[float]], num_nodes: int) -> 
     """The ``num_nodes``-node tree with the highest expected accepted length, built greedily
     the way Medusa builds its sparse tree: a node's value is the product of the measured
     accuracies along its path (``accuracy[d][r]`` = P(the rank-r candidate at depth d+1 is the
-    target's token)), and the best node whose parent is already in the tree is added next.
+    target's token | the first candidates before it were), which is the path's probability
+    when the figures are conditional, as ``specdec train medusa`` measures them), and the best
+    node whose parent is already in the tree is added next.
 
     >>> calibrated_topology([[0.6, 0.2], [0.5, 0.1]], 3)
     ((0,), (0, 0), (1,))
