@@ -152,6 +152,123 @@ def test_a_paying_drafter_is_not_lost_after_a_bad_streak():
     later = go(600)
     assert counts(later[-200:]).get("eagle", 0) > 150, ctl.state["eagle"]
 
+
+def test_plain_decoding_is_priced_before_any_plain_step_was_timed():
+    """The engine times every pass into a live cost model. A run that has so far only drafted
+    (the warm-up, a first request) has timed trees but never a plain pass; pricing plain
+    decoding at a default T(1) of one second against trees measured at ~0.1 s made every draft
+    look several times faster than plain decoding, so an EAGLE-like arm whose drafts are never
+    accepted (its draft model off its training distribution, as on long summarization prompts)
+    was run on every step. T(1) must follow from the passes that were timed."""
+    ratios = {n: 1.0 + 0.05 * (n - 1) for n in range(1, 65)}
+    costs = CostModel.calibrated(ratios, ratios)
+    arm = ArmSpec("eagle", on_demand=True, tree=True, draft_cost=0.05)
+    ctl = Controller([arm], costs, ControllerConfig(max_draft=4))
+    t1 = 0.1  # this machine's plain pass, in seconds
+
+    def go(steps: int, accepted: int) -> list[Choice]:
+        """The engine's loop: draft (or not), verify, time the pass into the cost model."""
+        out = []
+        for i in range(steps):
+            choice = ctl.choose({}, cap=4)
+            out.append(choice)
+            nodes = 2 + i % 5 if choice.arm is not None else 0  # EAGLE sizes vary per step
+            if choice.arm is not None:
+                ctl.observe_draft_time("eagle", 1, 0.05 * t1)
+                ctl.observe(choice, 1, accepted, nodes)
+            costs.observe(nodes + 1, t1 * ratios[nodes + 1], tree=nodes > 0)
+        return out
+
+    go(20, accepted=1)  # a warm-up where its drafts are accepted: it drafts every step
+    choices = go(300, accepted=0)  # then a workload where none is
+    late = counts(choices[50:])
+    assert late.get(None, 0) > 0.9 * 250, late  # plain decoding, and rare probes
+    assert costs.cost(1) == pytest.approx(t1)
+
+
+def test_cost_unit_follows_load_and_context_while_only_drafting():
+    """Every timed pass refreshes T(1), not only plain ones: when passes get slower (a busier
+    machine, a longer context) while only drafts are verified, plain decoding's price rises
+    with them, and the calibrated shape T(n)/T(1) is kept (one size alone cannot tell a dearer
+    size from a slower machine)."""
+    costs = CostModel.calibrated({1: 1.0, 5: 1.2}, {5: 1.3})
+    costs.observe(1, 0.1)
+    for _ in range(3):  # right after a plain pass, a tree's time teaches its ratio
+        costs.observe(5, 0.13, tree=True)
+    for _ in range(60):
+        costs.observe(5, 0.26, tree=True)  # twice the calibrated time: the machine slowed
+    assert costs.cost(1) == pytest.approx(0.2, rel=0.01)
+    assert costs.ratio(5, tree=True) == pytest.approx(1.3, rel=0.01)
+    for _ in range(200):  # with plain steps in between, a size's own ratio is learned
+        costs.observe(1, 0.2)
+        costs.observe(5, 0.22, tree=True)
+    assert costs.ratio(5, tree=True) == pytest.approx(1.1, rel=0.02)
+    assert costs.ratio(5) == 1.2  # chains are timed separately
+
+
+class _Offered:
+    """A free drafter (offered arm) proposing ``draft(context length)``."""
+
+    produces_q = False
+    needs_hidden_states = False
+    drafts_trees = False
+
+    def __init__(self, name: str, draft) -> None:
+        self.name = name
+        self.draft = draft
+
+    def propose(self, context, budget: int) -> DraftTree:
+        return DraftTree.chain(context.tokens[-1], self.draft(len(context.tokens))[:budget])
+
+    def observe(self, feedback) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+
+def test_unchosen_free_drafts_are_learned_from_the_committed_tokens():
+    """Two free drafters; first only ``a`` drafts what the target says, then only ``b``. The
+    controller never picked ``b`` in the first phase (its rare probes failed, so it is probed
+    ever more rarely). Its offers cost nothing and the committed tokens tell what verification
+    would have accepted of them, so when the workload shifts the controller moves to ``b``
+    within a few steps instead of waiting for a probe (up to ``max_probe_every`` steps away)."""
+    from specdec.config import SamplingConfig
+    from specdec.speculators.base import DraftContext, Feedback
+    from specdec.verify.rules import Acceptance
+
+    truth = list(range(1000, 3000))  # the target's greedy output
+    phase = {"a": True}
+    right = lambda n: truth[n : n + 5]  # noqa: E731
+    wrong = lambda n: [7] * 5  # noqa: E731
+    arms = [
+        _Offered("a", lambda n: right(n) if phase["a"] else wrong(n)),
+        _Offered("b", lambda n: wrong(n) if phase["a"] else right(n)),
+    ]
+    auto = AutoSpeculator(arms, config=ControllerConfig(max_draft=5))
+    auto.bind_cost_model(flat_costs(slope=0.3))
+    tokens = [truth[0]]
+
+    def go(steps: int) -> list[str | None]:
+        out = []
+        for _ in range(steps):
+            ctx = DraftContext(tokens, 1, SamplingConfig(), torch.Generator())
+            tree = auto.propose(ctx, budget=50)
+            n = 0
+            while n < tree.num_drafted and tree.tokens[n + 1] == truth[len(tokens) + n]:
+                n += 1
+            committed = tuple(truth[len(tokens) : len(tokens) + n + 1])
+            auto.observe(Feedback(tree, Acceptance(tuple(range(n + 1)), committed)))
+            tokens.extend(committed)
+            out.append(auto.last_choice)
+        return out
+
+    assert go(150)[-50:].count("a") > 45
+    phase["a"] = False
+    later = go(60)
+    assert later[10:].count("b") > 45, later
+
+
 def test_estimates_are_conditioned_on_the_size_of_an_offered_tree():
     """A suffix-cache-like arm: its large trees (long matches) are accepted deep, its small
     ones (short matches) never. The controller learns both and drafts only the confident ones."""
@@ -210,9 +327,14 @@ def test_cost_model_uses_calibrated_ratios_and_refines_online():
     costs.observe(1, 0.1)
     assert costs.cost(8) == pytest.approx(0.13)
     assert costs.cost(8, tree=True) == pytest.approx(0.16)
-    costs.observe(8, 0.2, tree=True)  # a measured tree size replaces the ratio
-    assert costs.cost(8, tree=True) == pytest.approx(0.2)
-    assert costs.cost(8) == pytest.approx(0.13)  # chains are timed separately
+    for _ in range(100):  # a measured tree size moves its calibrated ratio to what it costs
+        costs.observe(1, 0.1)
+        costs.observe(8, 0.2, tree=True)
+    assert costs.cost(8, tree=True) == pytest.approx(0.2, rel=0.01)
+    assert costs.cost(8) == pytest.approx(0.13, rel=0.01)  # chains are timed separately
+    generic = CostModel(seconds={1: 0.1})
+    generic.observe(8, 0.3)  # the generic slope is a guess: the first observation replaces it
+    assert generic.ratio(8) == pytest.approx(3.0)
     frozen = costs.frozen_prior()
     frozen.observe(1, 5.0)
     assert frozen.cost(8) == pytest.approx(1.3) and frozen.cost(8, tree=True) == 1.6

@@ -411,3 +411,33 @@ def test_watching_steps_it_did_not_draft_keeps_the_drafter_in_sync(tiny):
         acceptance = rule.accept(drafted, target.verify(drafted), sampling, make_generator(0))
         target.commit(acceptance.path)
         tokens += list(acceptance.tokens)
+
+
+def test_auto_defers_watching_to_one_batch_before_drafting(tiny):
+    """``auto`` does not run the drafter's cache update on every step (a few ms each, paid even
+    when another arm drafts): it keeps the steps' feature rows and absorbs them in one pass
+    when EAGLE drafts. The trees equal those of a drafter that absorbed every step."""
+    from specdec.config import SamplingConfig
+    from specdec.speculators.auto import AutoSpeculator
+    from specdec.verify import rule_for
+
+    head = random_head(tiny, "eagle3", seed=2)
+    tree = EagleTree(depth=3, top_k=3, total_tokens=8, cost_slope=0.0)
+    every, deferred = EagleSpeculator(head, tree), EagleSpeculator(head, tree)
+    auto = AutoSpeculator([deferred], num_layers=tiny.model.config.num_hidden_layers)
+    target = HFTarget(tiny)
+    target.enable_features(head.config.aux_layers)
+    tokens = [5, 17, 42, 8, 9]
+    target.begin(tokens)
+    rule, sampling = rule_for(SamplingConfig()), SamplingConfig()
+    for step in range(10):
+        ctx = DraftContext(list(tokens), 5, sampling, make_generator(0), target.features)
+        drafted = every.propose(ctx, 50)
+        auto._watch("eagle", deferred, ctx)
+        if step % 4 == 3:
+            assert deferred.cached < len(tokens) - 1  # nothing absorbed since the last draft
+            again, _ = auto._propose("eagle", ctx, 50)
+            assert (again.tokens, again.parents) == (drafted.tokens, drafted.parents)
+        acceptance = rule.accept(drafted, target.verify(drafted), sampling, make_generator(0))
+        target.commit(acceptance.path)
+        tokens += list(acceptance.tokens)

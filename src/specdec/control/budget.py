@@ -16,7 +16,9 @@ whose output never depends on the drafts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
+
+from specdec.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -71,21 +73,58 @@ def expected_tokens(alphas: list[float], k: int) -> float:
 class CostModel:
     """Verification time T(n) of an n-node chain or tree, and drafting time per token.
 
-    Sizes measured on this run are moving averages of the observed passes; sizes not yet seen
-    are T(1) times a ratio T(n)/T(1): the calibrated one (``specdec calibrate cost``, the
-    prior) when present, else a generic slope (T(n)/T(1) = 1 + slope (n - 1)). Ratios carry
-    over from the calibration run even when the machine's load changes absolute times.
+    T(n) = unit x ratio(n): ``unit`` is T(1) *now*, in seconds, and ratio(n) = T(n)/T(1) is
+    the shape of the cost curve. The two are learned on different time scales, because they
+    drift for different reasons:
+
+    * the unit moves with the machine's load and with the context length (every pass attends
+      over the whole cache), so it is refreshed from *every* timed pass: a pass of n nodes that
+      took s seconds says T(1) = s / ratio(n). Plain steps alone would leave it stale for as
+      long as speculation keeps paying, and a controller comparing a stale T(1) with fresh
+      T(n) misprices plain decoding;
+    * a ratio is a property of the hardware, numerics and model, so it starts from the
+      calibrated one (``specdec calibrate cost``) or a generic slope (T(n)/T(1) = 1 + slope
+      (n - 1)) and moves slowly (``ratio_decay``) toward what is observed (it shifts a little
+      with the context: over an 800-token cache, 4-6 nodes cost ~5% more of a T(1) than over
+      the calibration's 200-token prefix on this CPU, while T(1) itself grows ~15%). A ratio is
+      only learned from a pass within ``ratio_window`` passes of a plain one, against that
+      plain pass: with no plain step nearby, a slower pass could be a busier machine as well
+      as a dearer size, and the unit takes it. A generic slope is only a guess: the first
+      observation of a size replaces it.
+
+    Before any pass is timed the unit is 1 (costs in units of T(1), what the frozen prior
+    uses); the first timed pass of any size sets it. Never mixing a measured T(n) with an
+    unmeasured T(1) matters: a controller that saw only drafting steps would otherwise price
+    plain decoding at one second per token and draft whatever the acceptance.
+    ``seconds``/``tree_seconds`` seed the model with measured times (T(1) first).
     Drafting time per token is a moving average too (zero in the frozen prior).
     """
 
     prior_slope: float = 0.06
     decay: float = 0.9
     frozen: bool = False
-    seconds: dict[int, float] = field(default_factory=dict)
+    seconds: InitVar[dict[int, float] | None] = None
     draft_seconds_per_token: float = 0.0
     chain_ratios: dict[int, float] = field(default_factory=dict)
     tree_ratios: dict[int, float] = field(default_factory=dict)
-    tree_seconds: dict[int, float] = field(default_factory=dict)
+    tree_seconds: InitVar[dict[int, float] | None] = None
+    ratio_decay: float = 0.95
+    ratio_window: int = 2
+    unit: float | None = None
+    learned_chain: dict[int, float] = field(default_factory=dict)
+    learned_tree: dict[int, float] = field(default_factory=dict)
+    _plain: tuple[float, int] | None = field(default=None, init=False, repr=False)  # T(1), ago
+
+    def __post_init__(
+        self, seconds: dict[int, float] | None, tree_seconds: dict[int, float] | None
+    ) -> None:
+        if not (0.0 <= self.decay < 1.0 and 0.0 <= self.ratio_decay < 1.0):
+            raise ConfigError("cost model decays must lie in [0, 1)")
+        if self.ratio_window < 0:
+            raise ConfigError(f"ratio_window must be >= 0, got {self.ratio_window}")
+        for table, tree in ((seconds or {}, False), (tree_seconds or {}, True)):
+            for n in sorted(table):
+                self._absorb(n, table[n], tree)
 
     @classmethod
     def prior(cls) -> CostModel:
@@ -111,28 +150,77 @@ class CostModel:
             tree_ratios=dict(self.tree_ratios),
         )
 
+    def _prior_ratio(self, n: int, tree: bool) -> tuple[float, bool]:
+        """T(n)/T(1) before anything is observed, and whether it was calibrated."""
+        ratios = self.tree_ratios if tree else self.chain_ratios
+        if n in ratios:
+            return ratios[n], True
+        if tree and n in self.chain_ratios:  # no tree calibration: a tree costs at least a chain
+            return self.chain_ratios[n], True
+        return 1.0 + self.prior_slope * (n - 1), False
+
+    def ratio(self, n: int, tree: bool = False) -> float:
+        """T(n)/T(1) as currently estimated (a one-node tree is the plain pass).
+
+        >>> CostModel.calibrated({1: 1.0, 4: 1.2}, {}).ratio(4, tree=True)
+        1.2
+        """
+        if n <= 1:
+            return 1.0
+        learned = self.learned_tree if tree else self.learned_chain
+        return learned[n] if n in learned else self._prior_ratio(n, tree)[0]
+
     def cost(self, n: int, tree: bool = False) -> float:
         """
         >>> CostModel(seconds={1: 2.0}).cost(3)  # generic slope 0.06
         2.24
         """
-        measured = self.tree_seconds if tree and n > 1 else self.seconds
-        if n in measured:
-            return measured[n]
-        base = self.seconds.get(1, 1.0)
-        ratios = self.tree_ratios if tree else self.chain_ratios
-        if n in ratios:
-            return base * ratios[n]
-        if tree and n in self.chain_ratios:  # no tree calibration: a tree costs at least a chain
-            return base * self.chain_ratios[n]
-        return base * (1.0 + self.prior_slope * (n - 1))
+        return (1.0 if self.unit is None else self.unit) * self.ratio(n, tree)
 
     def observe(self, n: int, seconds: float, tree: bool = False) -> None:
-        if self.frozen:
+        """One timed verification pass of ``n`` nodes (ignored when frozen).
+
+        The unit follows every pass, so a drafting-only run still prices plain decoding at
+        today's T(1), not at the default of one second:
+
+        >>> costs = CostModel.calibrated({1: 1.0, 4: 1.25}, {})
+        >>> costs.observe(4, 0.25)  # no plain step yet: T(1) = 0.25 / 1.25
+        >>> round(costs.cost(1), 3)
+        0.2
+        >>> for _ in range(30):  # the machine gets twice as slow; only 4-token chains run
+        ...     costs.observe(4, 0.5)
+        >>> round(costs.cost(1), 2), costs.ratio(4)  # the unit took it, not the ratio
+        (0.39, 1.25)
+        """
+        if not self.frozen:
+            self._absorb(n, seconds, tree)
+
+    def _absorb(self, n: int, seconds: float, tree: bool) -> None:
+        if n < 1 or not seconds > 0:
             return
-        table = self.tree_seconds if tree and n > 1 else self.seconds
-        old = table.get(n)
-        table[n] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+        tree = tree and n > 1
+        if n == 1:
+            self._plain = (seconds, 0)
+        elif self._plain is not None:
+            plain, ago = self._plain
+            self._plain = (plain, ago + 1)
+            if ago < self.ratio_window:
+                self._learn_ratio(n, seconds / plain, tree)
+        ratio = self.ratio(n, tree)
+        if self.unit is None:  # the first timed pass of any size sets the unit
+            self.unit = seconds / ratio
+        else:
+            self.unit = self.decay * self.unit + (1 - self.decay) * seconds / ratio
+
+    def _learn_ratio(self, n: int, observed: float, tree: bool) -> None:
+        learned = self.learned_tree if tree else self.learned_chain
+        if n in learned:
+            old = learned[n]
+        else:
+            old, calibrated = self._prior_ratio(n, tree)
+            if not calibrated:  # a generic guess: the first observation replaces it
+                old = observed
+        learned[n] = self.ratio_decay * old + (1 - self.ratio_decay) * observed
 
     def draft_cost(self, k: int) -> float:
         """Seconds to draft ``k`` tokens: zero until measured (prompt lookup stays ~zero; a

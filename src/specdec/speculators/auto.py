@@ -11,6 +11,14 @@ steps it drafted (lookahead advances its Jacobi window from it), every arm that 
 requests gets ``end_request``, ``reset`` reaches all of them, and arms that read the target's
 hidden states get exactly their own layers, sliced from the union the engine collects.
 
+Offered drafts that were not chosen still teach the controller: once the tokens after them
+are committed, the length of each one's path that matches them is exactly what its
+verification would have accepted under greedy decoding (and, for these one-hot drafts, has
+the same distribution under rejection sampling), so every free arm's estimates follow the
+workload every step instead of only when that arm happens to be chosen. Without it an arm
+whose estimate dipped (or a chain's deeper positions, never drafted once the chains are cut
+short) stays unobserved, and the controller keeps the worse free draft.
+
 Lossless by construction: whichever arm drafts, the engine's acceptance rule verifies the tree
 against the target, so greedy output is plain greedy decoding's and sampled output follows the
 target's distribution. Sampled requests also stay reproducible for a seed: their controller is
@@ -21,14 +29,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import ClassVar, cast
 
 import torch
 
 from specdec.config import SpeculationConfig
 from specdec.control import CostModel
-from specdec.control.controller import ArmSpec, Choice, Controller, ControllerConfig
+from specdec.control.controller import ArmSpec, Choice, Controller, ControllerConfig, size_class
 from specdec.errors import ConfigError, UnknownSpeculatorError
 from specdec.speculators.base import (
     DraftContext,
@@ -48,6 +56,7 @@ TRAINING_FREE = ("prompt-lookup", "suffix", "lookahead")
 # replace it with what they measure; sampled requests keep it (reproducibility).
 DRAFT_COST_PRIOR = {"draft": 0.25, "self": 0.3, "medusa": 0.03, "eagle": 0.05, "osd": 0.03}
 DEFAULT_ON_DEMAND_COST = 0.1
+MAX_BACKLOG = 256  # rows of deferred ``watch`` features an arm may have waiting (bounds memory)
 
 
 def arm_spec(speculator: Speculator, guard: str | None = None) -> ArmSpec:
@@ -114,6 +123,9 @@ class AutoSpeculator:
         self._tree: DraftTree | None = None
         self._fresh = True
         self.last_choice: str | None = None
+        self._unchosen: list[_Unchosen] = []
+        self._backlog: dict[str, list[torch.Tensor]] = {}  # deferred watch rows, per arm
+        self._backlog_end: dict[str, int] = {}  # the position the backlog's rows reach
 
     # -- engine hooks ---------------------------------------------------------------------------
     def bind_cost_model(self, costs: CostModel) -> None:
@@ -127,6 +139,8 @@ class AutoSpeculator:
         self._active = self._shared
         self._fresh = True
         self._choice, self._tree, self.last_choice = Choice(None), None, None
+        self._unchosen = []
+        self._backlog, self._backlog_end = {}, {}
 
     def end_request(self, tokens: list[int], prompt_len: int) -> None:
         for arm in self.arms.values():
@@ -149,9 +163,48 @@ class AutoSpeculator:
         parts = [context.features[:, c * h : (c + 1) * h] for c in cols]
         return replace(context, features=torch.cat(parts, -1) if len(parts) > 1 else parts[0])
 
+    def _watch(self, name: str, arm: Speculator, context: DraftContext) -> None:
+        """Hand ``arm`` this step's committed tokens and states. An arm whose ``watch`` only
+        extends its drafter's cache (``watch_batches``: EAGLE) gets them in one batch just
+        before it drafts (or once ``MAX_BACKLOG`` rows wait): a few milliseconds per step for
+        a drafter the controller may not pick for many steps would tax every step, which no
+        arm's price shows, and one pass over many rows costs little more than over one."""
+        own = self._context_for(name, context)
+        if not getattr(arm, "watch_batches", False):
+            arm.watch(own)  # type: ignore[attr-defined]
+            return
+        backlog = self._backlog.setdefault(name, [])
+        if own.features is not None:  # [M, H]: positions root-M .. root-1
+            start = len(own.tokens) - 1 - len(own.features)
+            if self._backlog_end.get(name) != start:  # a step without features: a gap
+                backlog.clear()  # rows before it would be absorbed at the wrong positions
+            backlog.append(own.features)
+            self._backlog_end[name] = len(own.tokens) - 1
+        if sum(len(f) for f in backlog) >= MAX_BACKLOG:
+            self._catch_up(name, own)
+            arm.watch(own)  # type: ignore[attr-defined]
+
+    def _catch_up(self, name: str, context: DraftContext) -> None:
+        """Absorb the rows ``name`` deferred before this step's (oldest first); clears them.
+        Untimed: that backlog is the sunk cost of steps the arm skipped (already cheaper than
+        watching each), not a cost of the draft it is about to make, so charging it to its
+        drafting time would overprice the arm after every gap."""
+        backlog = self._backlog.pop(name, [])
+        end = self._backlog_end.pop(name, None)
+        if end == len(context.tokens) - 1 and backlog:  # the last rows are this step's:
+            end -= len(backlog.pop())  # the draft absorbs them itself (and is timed)
+        if not backlog or end is None:
+            return
+        rows = torch.cat(backlog)  # [R, H]: positions end-R .. end-1
+        earlier = replace(context, tokens=context.tokens[: end + 1], features=rows)
+        self.arms[name].watch(earlier)  # type: ignore[attr-defined]
+
     def _propose(self, name: str, context: DraftContext, budget: int) -> tuple[DraftTree, float]:
+        """Draft with ``name``; the seconds are its drafting time (after any deferred catch-up)."""
+        own = self._context_for(name, context)
+        self._catch_up(name, own)
         t0 = time.perf_counter()
-        tree = self.arms[name].propose(self._context_for(name, context), budget)
+        tree = self.arms[name].propose(own, budget)
         return tree, time.perf_counter() - t0
 
     def propose(self, context: DraftContext, budget: int) -> DraftTree:
@@ -165,9 +218,9 @@ class AutoSpeculator:
             self._fresh = False
         controller = self._active
         for name, arm in self.arms.items():
-            watch = getattr(arm, "watch", None)
-            if watch is not None:  # learners see every step's committed tokens and states
-                watch(self._context_for(name, context))
+            if hasattr(arm, "watch"):  # learners see every step's committed tokens and states
+                self._watch(name, arm, context)
+        self._learn_from_unchosen(controller, context.tokens)
         root = context.tokens[-1]
         chain_cap = min(budget, self.config.max_draft)
         offers: dict[str, DraftTree] = {}
@@ -192,9 +245,37 @@ class AutoSpeculator:
                     tree = _cut_chain(tree, choice.size)
         if tree.num_drafted == 0:
             choice = Choice(None)
+        for spec in self.specs:
+            offer = offers.get(spec.name)
+            if spec.name != choice.arm and offer is not None and offer.num_drafted > 0:
+                self._unchosen.append(self._pending(spec, offer, len(context.tokens)))
         self._choice, self._tree = choice, tree
         self.last_choice = choice.arm or "none"
         return tree
+
+    def _pending(self, spec: ArmSpec, offer: DraftTree, start: int) -> _Unchosen:
+        """An unchosen offer as it would have been priced: a chain cut to K (the controller
+        never asks for more), a tree whole, in its confidence class."""
+        if offer.is_chain and not spec.tree:
+            offer = _cut_chain(offer, min(offer.num_drafted, self.config.max_draft))
+            return _Unchosen(start, Choice(spec.name, offer.num_drafted), offer)
+        return _Unchosen(
+            start, Choice(spec.name, offer.num_drafted, bucket=size_class(offer)), offer
+        )
+
+    def _learn_from_unchosen(self, controller: Controller, tokens: list[int]) -> None:
+        """Score the unchosen offers whose outcome the committed tokens now decide."""
+        waiting: list[_Unchosen] = []
+        for u in self._unchosen:
+            if u.start > len(tokens):  # a new request without reset(): stale
+                continue
+            accepted = matched_depth(u.tree, tokens[u.start :])
+            if accepted is None:
+                waiting.append(u)
+                continue
+            depth = max(u.tree.depths)
+            controller.observe(u.choice, depth, accepted, u.tree.num_drafted)
+        self._unchosen = waiting
 
     def observe(self, feedback: Feedback) -> None:
         choice, tree = self._choice, self._tree
@@ -204,6 +285,40 @@ class AutoSpeculator:
         self.arms[choice.arm].observe(feedback)
         depth = max(tree.depths)
         self._active.observe(choice, depth, feedback.acceptance.num_accepted, tree.num_drafted)
+
+
+@dataclass(frozen=True)
+class _Unchosen:
+    """An offered draft the controller passed over, waiting for the tokens that decide it."""
+
+    start: int  # context length when it was offered: tokens[start:] follow its root
+    choice: Choice
+    tree: DraftTree
+
+
+def matched_depth(tree: DraftTree, continuation: Sequence[int]) -> int | None:
+    """How many of ``tree``'s drafts greedy verification accepts when the target's tokens
+    after its root are ``continuation`` (the deepest matching path); ``None`` while that
+    still depends on tokens not yet known.
+
+    >>> t = DraftTree((9, 1, 2, 3), (-1, 0, 1, 0))  # 9 -> 1 -> 2, and 9 -> 3
+    >>> matched_depth(t, [1, 2, 5]), matched_depth(t, [3]), matched_depth(t, [4])
+    (2, 1, 0)
+    >>> matched_depth(t, [1]) is None  # does 2 follow? not known yet
+    True
+    """
+    children: dict[int, list[int]] = {}
+    for i in range(1, len(tree.tokens)):
+        children.setdefault(tree.parents[i], []).append(i)
+    node, depth = 0, 0
+    while children.get(node):
+        if depth >= len(continuation):
+            return None
+        nxt = [c for c in children[node] if tree.tokens[c] == continuation[depth]]
+        if not nxt:
+            return depth
+        node, depth = nxt[0], depth + 1
+    return depth
 
 
 def _cut_chain(tree: DraftTree, k: int) -> DraftTree:

@@ -98,6 +98,9 @@ class EagleSpeculator:
     produces_q: ClassVar[bool] = False
     needs_hidden_states: ClassVar[bool] = True
     drafts_trees: ClassVar[bool] = True
+    # watch() only extends the drafter's cache, and absorb() takes many steps' rows in one
+    # pass: ``auto`` may defer it until this speculator drafts
+    watch_batches: ClassVar[bool] = True
 
     def __init__(self, head: EagleHead, tree: EagleTree | None = None) -> None:
         self.head = for_inference(head)
