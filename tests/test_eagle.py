@@ -387,57 +387,54 @@ def test_eagle_trees_sample_exactly_the_target_distribution():
     assert CountingEagle.branching > 1000
 
 
-def test_watching_steps_it_did_not_draft_keeps_the_drafter_in_sync(tiny):
-    """Under ``auto`` the drafter sees every step through ``watch`` but drafts only some: its
-    trees on the steps it drafts equal those of a drafter that drafted every step."""
+LOCKSTEP_TREE = EagleTree(depth=3, top_k=3, total_tokens=8, cost_slope=0.0)
+
+
+def drafting_every_step(tiny: LoadedModel, head: EagleHead, steps: int):
+    """A greedy run in which one drafter drafts every step: yields each step's context and that
+    drafter's tree, so a drafter that only watches some steps can be compared with it."""
     from specdec.config import SamplingConfig
     from specdec.verify import rule_for
 
-    head = random_head(tiny, "eagle3", seed=2)
-    tree = EagleTree(depth=3, top_k=3, total_tokens=8, cost_slope=0.0)
-    every, sometimes = EagleSpeculator(head, tree), EagleSpeculator(head, tree)
+    every = EagleSpeculator(head, LOCKSTEP_TREE)
     target = HFTarget(tiny)
     target.enable_features(head.config.aux_layers)
     tokens = [5, 17, 42, 8, 9]
     target.begin(tokens)
     rule, sampling = rule_for(SamplingConfig()), SamplingConfig()
-    for step in range(8):
+    for step in range(steps):
         ctx = DraftContext(list(tokens), 5, sampling, make_generator(0), target.features)
         drafted = every.propose(ctx, 50)
+        yield step, ctx, drafted
+        acceptance = rule.accept(drafted, target.verify(drafted), sampling, make_generator(0))
+        target.commit(acceptance.path)
+        tokens += list(acceptance.tokens)
+
+
+def test_watching_steps_it_did_not_draft_keeps_the_drafter_in_sync(tiny):
+    """Under ``auto`` the drafter sees every step through ``watch`` but drafts only some: its
+    trees on the steps it drafts equal those of a drafter that drafted every step."""
+    head = random_head(tiny, "eagle3", seed=2)
+    sometimes = EagleSpeculator(head, LOCKSTEP_TREE)
+    for step, ctx, drafted in drafting_every_step(tiny, head, 8):
         sometimes.watch(ctx)
         if step % 3 == 2:
             again = sometimes.propose(ctx, 50)
             assert (again.tokens, again.parents) == (drafted.tokens, drafted.parents)
-        acceptance = rule.accept(drafted, target.verify(drafted), sampling, make_generator(0))
-        target.commit(acceptance.path)
-        tokens += list(acceptance.tokens)
 
 
 def test_auto_defers_watching_to_one_batch_before_drafting(tiny):
     """``auto`` does not run the drafter's cache update on every step (a few ms each, paid even
     when another arm drafts): it keeps the steps' feature rows and absorbs them in one pass
     when EAGLE drafts. The trees equal those of a drafter that absorbed every step."""
-    from specdec.config import SamplingConfig
     from specdec.speculators.auto import AutoSpeculator
-    from specdec.verify import rule_for
 
     head = random_head(tiny, "eagle3", seed=2)
-    tree = EagleTree(depth=3, top_k=3, total_tokens=8, cost_slope=0.0)
-    every, deferred = EagleSpeculator(head, tree), EagleSpeculator(head, tree)
+    deferred = EagleSpeculator(head, LOCKSTEP_TREE)
     auto = AutoSpeculator([deferred], num_layers=tiny.model.config.num_hidden_layers)
-    target = HFTarget(tiny)
-    target.enable_features(head.config.aux_layers)
-    tokens = [5, 17, 42, 8, 9]
-    target.begin(tokens)
-    rule, sampling = rule_for(SamplingConfig()), SamplingConfig()
-    for step in range(10):
-        ctx = DraftContext(list(tokens), 5, sampling, make_generator(0), target.features)
-        drafted = every.propose(ctx, 50)
+    for step, ctx, drafted in drafting_every_step(tiny, head, 10):
         auto._watch("eagle", deferred, ctx)
         if step % 4 == 3:
-            assert deferred.cached < len(tokens) - 1  # nothing absorbed since the last draft
+            assert deferred.cached < len(ctx.tokens) - 1  # nothing absorbed since the last draft
             again, _ = auto._propose("eagle", ctx, 50)
             assert (again.tokens, again.parents) == (drafted.tokens, drafted.parents)
-        acceptance = rule.accept(drafted, target.verify(drafted), sampling, make_generator(0))
-        target.commit(acceptance.path)
-        tokens += list(acceptance.tokens)
