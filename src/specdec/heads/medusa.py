@@ -160,6 +160,14 @@ class MedusaHeads(nn.Module):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.token_map is None else self.token_map[draft_ids]
 
+    def rank_hits(
+        self, hidden: torch.Tensor, labels: torch.Tensor, ranks: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``candidate_hits`` of these heads' top-``ranks`` candidates at ``hidden`` [B, H]."""
+        with torch.inference_mode():
+            top = torch.topk(self(hidden.float()), ranks, dim=-1).indices  # [B, K, R]
+            return candidate_hits(self.to_target_ids(top), labels)
+
     # -- checkpoint I/O -----------------------------------------------------------------------
     def save(self, out_dir: str | os.PathLike[str], extra: dict[str, Any] | None = None) -> None:
         out = Path(out_dir)

@@ -32,6 +32,8 @@ from specdec.tree.topology import (
 )
 
 MAX_TREE_NODES = 64
+# Builds a tree from per-depth, per-rank accuracies (see topology_sizer).
+Sizer = Callable[[list[list[float]]], Topology]
 # Verification cost of an n-node tree relative to one decode step, T(n)/T(1) ~ 1 + slope * n,
 # fitted on this CPU (fp32 oneDNN path; bench/tree_cost.py measures it on yours).
 TREE_COST_SLOPE = 0.04
@@ -85,7 +87,7 @@ def resolve_topology(spec: str | None, heads: MedusaHeads) -> Topology:
     return load_topology(spec, num_heads)
 
 
-def topology_sizer(spec: str | None) -> Callable[[list[list[float]]], Topology] | None:
+def topology_sizer(spec: str | None) -> Sizer | None:
     """How ``spec`` turns measured accuracies into a tree, for a speculator whose accuracies
     change (the online learner); None for a preset or a file, which fix the tree.
 

@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import math
 import os
 import random
 import shutil
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -46,10 +47,11 @@ import torch
 
 from specdec.config import SpeculationConfig
 from specdec.errors import CheckpointError, ConfigError
-from specdec.heads.medusa import IGNORE, MedusaHeads, candidate_hits, load_medusa
+from specdec.heads.medusa import IGNORE, MedusaHeads, load_medusa
 from specdec.speculators.base import DraftContext, Feedback, register
 from specdec.speculators.medusa import (
     MedusaSpeculator,
+    Sizer,
     check_heads_fit,
     resolve_topology,
     topology_sizer,
@@ -57,9 +59,6 @@ from specdec.speculators.medusa import (
 from specdec.target import LoadedModel
 from specdec.tree import DraftTree
 from specdec.tree.topology import Topology, generic_profile
-
-# Builds a tree from per-depth, per-rank accuracies (see topology_sizer); None: a fixed tree.
-Sizer = Callable[[list[list[float]]], Topology]
 
 
 @dataclass(frozen=True)
@@ -179,7 +178,7 @@ class OnlineTrainer:
         with self._lock:
             if len(self._buffer) < cfg.min_examples or self._new < cfg.batch:
                 return False
-            fresh = [self._buffer[-i] for i in range(1, min(self._new, len(self._buffer)) + 1)]
+            fresh = list(itertools.islice(reversed(self._buffer), self._new))
             self._new = 0
             pool = list(self._buffer)
         self._measure(fresh)
@@ -207,13 +206,9 @@ class OnlineTrainer:
         older counts over ``accuracy_window`` examples."""
         if not fresh:
             return
-        h = torch.stack([b[0] for b in fresh]).float()  # [B, H]
+        h = torch.stack([b[0] for b in fresh])  # [B, H]
         y = torch.stack([b[1] for b in fresh])  # [B, K]
-        ranks = self._hits.shape[1]
-        with torch.inference_mode():
-            top = torch.topk(self._shadow(h), ranks, dim=-1).indices  # [B, K, R]
-            top = self._shadow.to_target_ids(top)
-        match, _, chained = candidate_hits(top, y)  # trees need the chained figures
+        match, _, chained = self._shadow.rank_hits(h, y, self._hits.shape[1])
         decay = math.exp(-len(fresh) / self.config.accuracy_window)
         self._hits = self._hits * decay + (match & chained[..., None]).sum(0).float()
         self._counted = self._counted * decay + chained.sum(0).float()

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from specdec.errors import ConfigError, DataError
-from specdec.heads.medusa import IGNORE, MedusaConfig, MedusaHeads, candidate_hits
+from specdec.heads.medusa import IGNORE, MedusaConfig, MedusaHeads
 from specdec.target.loading import LoadedModel
 from specdec.target.numerics import dense_weight
 from specdec.training.checkpoint import (
@@ -176,24 +176,24 @@ def draft_vocabulary(records: Sequence[Record], size: int, vocab_size: int) -> t
 
 
 def head_accuracy(
-    heads: MedusaHeads, feats: Features, ranks: int, batch: int = 1024, *, chained: bool = True
-) -> list[list[float]]:
-    """``acc[k][r]``: how often head k's rank-r candidate is the label (labels outside the draft
-    vocabulary count as misses); with ``chained``, among positions where heads 0..k-1 had their
-    rank-0 candidate right, the figure trees are sized from (see ``candidate_hits``)."""
+    heads: MedusaHeads, feats: Features, ranks: int, batch: int = 1024
+) -> tuple[list[list[float]], list[list[float]]]:
+    """``(chained, plain)``, each ``acc[k][r]``: how often head k's rank-r candidate is the
+    label (labels outside the draft vocabulary count as misses); ``chained`` counts only
+    positions where heads 0..k-1 had their rank-0 candidate right, the figures trees are sized
+    from (see ``candidate_hits``), ``plain`` counts every position."""
     k_heads = heads.config.num_heads
-    hits = torch.zeros(k_heads, ranks)
-    counted = torch.zeros(k_heads)
-    with torch.inference_mode():
-        for i in range(0, len(feats), batch):
-            h = feats.hidden[i : i + batch].float()  # [B, H]
-            labels = feats.labels[i : i + batch]  # [B, K]
-            top = heads.to_target_ids(torch.topk(heads(h), ranks, dim=-1).indices)  # [B, K, R]
-            match, valid, chain = candidate_hits(top, labels)
-            rows = chain if chained else valid  # [B, K]
-            hits += (match & rows[..., None]).sum(0).float()
-            counted += rows.sum(0).float()
-    return (hits / counted.clamp_min(1)[:, None]).tolist()
+    hits = {"chained": torch.zeros(k_heads, ranks), "plain": torch.zeros(k_heads, ranks)}
+    counted = {"chained": torch.zeros(k_heads), "plain": torch.zeros(k_heads)}
+    for i in range(0, len(feats), batch):
+        match, valid, chain = heads.rank_hits(
+            feats.hidden[i : i + batch], feats.labels[i : i + batch], ranks
+        )
+        for key, rows in (("chained", chain), ("plain", valid)):  # rows [B, K]
+            hits[key] += (match & rows[..., None]).sum(0).float()
+            counted[key] += rows.sum(0).float()
+    chained, plain = ((hits[k] / counted[k].clamp_min(1)[:, None]).tolist() for k in hits)
+    return chained, plain
 
 
 def train_medusa(
@@ -281,7 +281,7 @@ def train_medusa(
             bar.set_postfix(loss=f"{loss_value:.3f}")
             if step % config.eval_every == 0 or step == total_steps:
                 heads.eval()
-                acc = head_accuracy(heads, held, 1, chained=False)
+                _, acc = head_accuracy(heads, held, 1)
                 heads.train()
                 entry = {"step": float(step), "loss": loss_value}
                 entry.update({f"top1_head{k + 1}": a[0] for k, a in enumerate(acc)})
@@ -294,8 +294,8 @@ def train_medusa(
     finally:
         bar.close()
     heads.eval()
-    accuracy = head_accuracy(heads, held, config.eval_ranks)
-    top1 = [row[0] for row in head_accuracy(heads, held, 1, chained=False)]
+    accuracy, plain = head_accuracy(heads, held, config.eval_ranks)
+    top1 = [row[0] for row in plain]
     heads.config = MedusaConfig(**{**asdict(mconfig), "accuracy": accuracy})
     seconds = time.perf_counter() - started
     heads.save(
