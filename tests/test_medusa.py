@@ -19,6 +19,7 @@ from specdec.training.data import generate_data, load_data, load_prompts, prompt
 from specdec.training.medusa import MedusaTrainConfig, train_medusa
 from specdec.tree import DraftTree
 from specdec.tree.topology import (
+    accepted_lengths,
     calibrated_topology,
     expected_accepted,
     load_topology,
@@ -206,6 +207,9 @@ def test_medusa_training_learns_and_records_accuracy(medusa_dir: Path):
     distinct = {id(h) for h in heads.heads} | {id(b) for h in heads.heads for b in h.blocks}
     assert len(distinct) == 3 + 3  # independent modules, no shared block
     assert heads.heads[0].proj.weight.data_ptr() != heads.heads[1].proj.weight.data_ptr()
+    info = cfg["training"]
+    # the served tree's measured tokens per step on these (memorised) positions
+    assert 1 <= info["calibrated_tree_nodes"] and info["held_out_simulated_tau"] > 2.0
 
 
 def test_original_medusa_format_loads_with_the_same_outputs(tmp_path):
@@ -344,3 +348,69 @@ def test_chained_accuracies_multiply_to_a_chains_acceptance():
     labels[0, 1] = IGNORE  # a head without a label is neither counted nor chained
     _, valid, chained = candidate_hits(top, labels)
     assert not valid[0, 1] and not chained[0, 1]
+
+
+def test_accepted_lengths_follow_a_greedy_walk_of_the_instantiated_tree():
+    """The simulated tau counts, per position, what greedy verification of the tree built from
+    the heads' candidates would accept: walk from the root to the child holding the next true
+    token while there is one. Small vocabularies make partial and full hits common."""
+    gen = torch.Generator().manual_seed(0)
+    topology = calibrated_topology([[0.6, 0.3, 0.1], [0.5, 0.3, 0.1], [0.4, 0.3, 0.1]], 12)
+    for _ in range(300):
+        vocab = int(torch.randint(3, 7, (1,), generator=gen))
+        top = torch.stack([torch.randperm(vocab, generator=gen)[:3] for _ in range(3)])  # [K, R]
+        labels = torch.randint(0, vocab, (3,), generator=gen)  # [K]
+        match, _, _ = candidate_hits(top[None], labels[None])
+        tree = tree_from_topology(99, topology, top.tolist(), budget=len(topology))
+        node, walked = 0, 0
+        while walked < 3:
+            children = [i for i, p in enumerate(tree.parents) if p == node]
+            right = [c for c in children if tree.tokens[c] == int(labels[walked])]
+            if not right:
+                break
+            node, walked = right[0], walked + 1
+        assert int(accepted_lengths(topology, match)[0]) == walked
+
+
+def test_training_on_a_fixed_held_out_set(tiny, data_dir: Path, tmp_path):
+    """``held_out_records`` measures on exactly those answers and keeps them out of training,
+    so checkpoints trained on different amounts of data compare on the same positions."""
+    data = load_data(data_dir, tiny)
+    held = data.records[:1]
+    # with half of the loss on the target's distributions (the path runs end to end)
+    cfg = MedusaTrainConfig(
+        num_heads=2, draft_vocab=96, max_steps=2, batch_positions=16, soft_weight=0.5
+    )
+    res = train_medusa(tiny, data, tmp_path / "m", cfg, held_out_records=held)
+    r = held[0]
+    assert res.held_out_positions == len(r.tokens) - r.prompt_len  # one per response token
+    train_total = sum(len(x.tokens) - x.prompt_len for x in data.records)
+    assert res.train_positions == train_total - res.held_out_positions
+    with pytest.raises(DataError, match="every record is held out"):
+        train_medusa(tiny, data, tmp_path / "m2", cfg, held_out_records=data.records)
+    with pytest.raises(ConfigError, match="--soft-weight"):
+        MedusaTrainConfig(soft_weight=1.5)
+
+
+def test_soft_targets_are_the_targets_prediction_of_each_heads_label(tiny, data_dir: Path):
+    """Head k's soft target at row i is read from cached row i + k + 1. On greedy data from
+    the same model, the argmax of that distribution must be the label itself wherever the
+    extraction pass agrees with generation (``target_agreement``; asserted to be all of them
+    here, so a misaligned row shows up as a mismatch rather than being averaged away)."""
+    from specdec.target.numerics import dense_weight
+    from specdec.training.medusa import extract_features, teacher_probs
+
+    data = load_data(data_dir, tiny)
+    feats = extract_features(tiny, data.records, num_heads=3)
+    assert feats.target_agreement == 1.0
+    teacher = dense_weight(tiny.model.get_output_embeddings()).float()  # [V, H]
+    idx = torch.arange(len(feats))
+    probs = teacher_probs(feats.hidden, idx, feats.labels, teacher)  # [P, K, V]
+    has = feats.labels != IGNORE
+    assert has[:, 2].any()
+    assert torch.equal(probs.argmax(-1)[has], feats.labels[has])
+    # shifted by one row, the same tensors disagree: the test can tell alignment apart
+    shifted = teacher_probs(
+        feats.hidden, (idx + 1).clamp_max(len(feats) - 1), feats.labels, teacher
+    )
+    assert not torch.equal(shifted.argmax(-1)[has], feats.labels[has])

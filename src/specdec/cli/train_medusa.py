@@ -39,6 +39,14 @@ def medusa(
         ),
     ] = 8192,
     epochs: Annotated[float, typer.Option("--epochs")] = 4.0,
+    soft_weight: Annotated[
+        float,
+        typer.Option(
+            "--soft-weight",
+            help="Share of each head's loss taken against the target's full next-token "
+            "distribution (read from the cached features) rather than the greedy label alone.",
+        ),
+    ] = 0.0,
     max_steps: MaxStepsOpt = None,
     lr: Annotated[float, typer.Option("--lr")] = 1e-3,
     batch: BatchOpt = 256,
@@ -64,6 +72,7 @@ def medusa(
             num_layers=layers,
             draft_vocab=draft_vocab,
             epochs=epochs,
+            soft_weight=soft_weight,
             max_steps=max_steps,
             lr=lr,
             batch_positions=batch,
@@ -83,5 +92,7 @@ def medusa(
         f"saved {out} after {result.steps} steps in {result.seconds:.0f} s "
         f"(features {result.feature_seconds:.0f} s; {result.train_positions} train / "
         f"{result.held_out_positions} held-out positions; draft vocabulary covers "
-        f"{result.draft_vocab_coverage:.1%} of labels)\nheld-out accuracy: {top}"
+        f"{result.draft_vocab_coverage:.1%} of labels)\nheld-out accuracy: {top}\n"
+        f"held-out simulated tau {result.simulated_tau:.3f} with the {result.tree_nodes}-node "
+        "calibrated tree"
     )

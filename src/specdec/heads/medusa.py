@@ -140,22 +140,40 @@ class MedusaHeads(nn.Module):
         return out
 
     def loss(
-        self, hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
+        self,
+        hidden: torch.Tensor,
+        labels: torch.Tensor,
+        weights: torch.Tensor,
+        soft: torch.Tensor | None = None,
+        soft_weight: float = 0.0,
     ) -> torch.Tensor:
         """Weighted sum over heads of the cross-entropy of head k against ``labels[:, k]``
         (target token ids, IGNORE where unknown); a head without any label adds zero.
-        hidden [B, H], labels [B, K], weights [K]."""
+
+        With ``soft`` (the target's own distribution over the draft vocabulary at the position
+        that predicts the label) a ``soft_weight`` share of each head's loss is the
+        cross-entropy against it: the target's runner-up tokens say which mistakes are near
+        misses, information the single greedy label lacks when answers are few.
+        hidden [B, H], labels [B, K], weights [K], soft [B, K, V_draft] probabilities."""
         draft = self.to_draft_ids(labels)  # [B, K]
         logits = self(hidden)  # [B, K, V_draft]
-        losses = torch.stack(
-            [
+        has = labels != IGNORE  # [B, K]
+        losses = []
+        for k in range(self.config.num_heads):
+            if not bool(has[:, k].any()):
+                losses.append(logits.new_zeros(()))
+                continue
+            loss = (
                 nn.functional.cross_entropy(logits[:, k], draft[:, k], ignore_index=IGNORE)
                 if bool((draft[:, k] != IGNORE).any())
                 else logits.new_zeros(())
-                for k in range(self.config.num_heads)
-            ]
-        )  # [K]
-        return (weights * losses).sum()
+            )
+            if soft is not None and soft_weight > 0:
+                logp = torch.log_softmax(logits[has[:, k], k], dim=-1)  # [b, V_draft]
+                distil = -(soft[has[:, k], k] * logp).sum(-1).mean()
+                loss = (1.0 - soft_weight) * loss + soft_weight * distil
+            losses.append(loss)
+        return (weights * torch.stack(losses)).sum()
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.token_map is None else self.token_map[draft_ids]

@@ -27,6 +27,7 @@ import torch
 
 from specdec.errors import ConfigError, DataError
 from specdec.heads.medusa import IGNORE, MedusaConfig, MedusaHeads
+from specdec.speculators.medusa import best_sized_topology
 from specdec.target.loading import LoadedModel
 from specdec.target.numerics import dense_weight
 from specdec.training.checkpoint import (
@@ -38,6 +39,7 @@ from specdec.training.checkpoint import (
 from specdec.training.data import Record, SelfDistilledData
 from specdec.training.feature_cache import fingerprint, load_cached, save_cached
 from specdec.training.progress import NullBar, ProgressFactory
+from specdec.tree.topology import Topology, accepted_lengths
 
 CHECKPOINT = "training_state.pt"
 
@@ -55,6 +57,8 @@ class MedusaTrainConfig:
     eval_every: int = 200
     checkpoint_every: int = 200
     head_decay: float = 0.8
+    # share of each head's loss taken against the target's full distribution (0 = labels only)
+    soft_weight: float = 0.0
     seed: int = 0
     eval_ranks: int = 10
 
@@ -63,6 +67,8 @@ class MedusaTrainConfig:
             raise ConfigError(f"--heads must be in 1..16, got {self.num_heads}")
         if self.num_layers < 0:
             raise ConfigError(f"--layers must be >= 0, got {self.num_layers}")
+        if not 0.0 <= self.soft_weight <= 1.0:
+            raise ConfigError(f"--soft-weight must be in [0, 1], got {self.soft_weight}")
         if self.draft_vocab < 0:
             raise ConfigError(f"--draft-vocab must be >= 0 (0 = full), got {self.draft_vocab}")
         check_schedule(
@@ -84,6 +90,9 @@ class MedusaTrainResult:
     # [K, ranks]: P(rank-r candidate of head k is right | heads before it right at rank 0)
     accuracy: list[list[float]]
     top1: list[float]  # [K]: P(head k's first candidate is right), unconditionally
+    # 1 + mean accepted drafts of the cost-sized calibrated tree on held-out positions
+    simulated_tau: float
+    tree_nodes: int  # that tree's size (what `--tree calibrated` serves)
     seconds: float
     feature_seconds: float
     history: list[dict[str, float]] = field(default_factory=list)
@@ -196,6 +205,40 @@ def head_accuracy(
     return chained, plain
 
 
+def simulated_tau(
+    heads: MedusaHeads, feats: Features, topology: Topology, batch: int = 1024
+) -> float:
+    """Tokens per verification a greedy walk over ``topology`` would commit on these
+    positions (1 + mean accepted drafts), counted from the heads' actual candidates: the
+    figure a user compares across checkpoints and data sizes without running a benchmark.
+    The data's next tokens stand in for the target's, which they are (greedy self-distillation)
+    up to ``target_agreement``."""
+    ranks = 1 + max(r for path in topology for r in path)
+    total = 0
+    for i in range(0, len(feats), batch):
+        match, _, _ = heads.rank_hits(
+            feats.hidden[i : i + batch], feats.labels[i : i + batch], ranks
+        )
+        total += int(accepted_lengths(topology, match).sum())
+    return 1.0 + total / max(len(feats), 1)
+
+
+@torch.no_grad()
+def teacher_probs(
+    hidden: torch.Tensor, idx: torch.Tensor, labels: torch.Tensor, teacher: torch.Tensor
+) -> torch.Tensor:
+    """The target's distribution over the draft vocabulary for each head's label: head k's
+    label at row i is the token the target predicts at row i + k + 1 (rows of one answer are
+    consecutive positions, and a label exists only while that row is in the same answer), and
+    the cached final hidden state there times the LM head gives that prediction without
+    another target pass. hidden [P, H] (all rows), idx [B], labels [B, K], teacher [V_draft, H];
+    returns [B, K, V_draft] (uniform where there is no label; the loss skips those rows)."""
+    k_heads = labels.shape[1]
+    rows = (idx[:, None] + torch.arange(1, k_heads + 1)).clamp_max(len(hidden) - 1)  # [B, K]
+    logits = hidden[rows].float() @ teacher.T  # [B, K, V_draft]
+    return torch.softmax(logits, dim=-1)
+
+
 def train_medusa(
     loaded: LoadedModel,
     data: SelfDistilledData,
@@ -205,14 +248,26 @@ def train_medusa(
     resume: bool = False,
     progress: ProgressFactory = NullBar,
     log: Any = None,
+    held_out_records: Sequence[Record] | None = None,
 ) -> MedusaTrainResult:
-    """Train Medusa-1 heads for ``loaded`` on ``data`` and save them in ``out_dir``."""
+    """Train Medusa-1 heads for ``loaded`` on ``data`` and save them in ``out_dir``.
+
+    ``held_out_records`` fixes the evaluation set (and keeps it out of training) instead of
+    splitting off ``config.held_out`` of the data, so checkpoints trained on different amounts
+    of data are measured on the same positions."""
     started = time.perf_counter()
     data.check_target(loaded)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.seed)
-    train_recs, eval_recs = data.split(config.held_out, config.seed)
+    if held_out_records is None:
+        train_recs, eval_recs = data.split(config.held_out, config.seed)
+    else:
+        held_ids = {r.index for r in held_out_records}
+        train_recs = [r for r in data.records if r.index not in held_ids]
+        eval_recs = list(held_out_records)
+        if not train_recs:
+            raise DataError("every record is held out; nothing is left to train on")
     t0 = time.perf_counter()
     train = extract_features(
         loaded, train_recs, config.num_heads, out / "features-train.safetensors", progress
@@ -245,6 +300,10 @@ def train_medusa(
     )
     heads = MedusaHeads(mconfig, token_map)
     heads.init_from_lm_head(dense_weight(loaded.model.get_output_embeddings()))
+    teacher = None
+    if config.soft_weight > 0:
+        w = dense_weight(loaded.model.get_output_embeddings()).detach().float()  # [V, H]
+        teacher = w if token_map is None else w[token_map]  # [V_draft, H]
     valid = train.labels != IGNORE
     coverage = float((heads.to_draft_ids(train.labels) != IGNORE)[valid].float().mean())
     opt = torch.optim.AdamW(heads.parameters(), lr=config.lr, weight_decay=0.0)
@@ -270,7 +329,9 @@ def train_medusa(
             idx = torch.tensor(order[: config.batch_positions])
             del order[: config.batch_positions]
             h = train.hidden[idx].float()  # [B, H]
-            loss = heads.loss(h, train.labels[idx], weights)
+            labels = train.labels[idx]  # [B, K]
+            soft = None if teacher is None else teacher_probs(train.hidden, idx, labels, teacher)
+            loss = heads.loss(h, labels, weights, soft, config.soft_weight)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -297,6 +358,9 @@ def train_medusa(
     accuracy, plain = head_accuracy(heads, held, config.eval_ranks)
     top1 = [row[0] for row in plain]
     heads.config = MedusaConfig(**{**asdict(mconfig), "accuracy": accuracy})
+    # heads right nowhere on held-out data (too little training) get no tree, not a crash
+    tree = best_sized_topology(accuracy) if any(a > 0 for row in accuracy for a in row) else ()
+    tau = simulated_tau(heads, held, tree) if tree else 1.0
     seconds = time.perf_counter() - started
     heads.save(
         out,
@@ -310,6 +374,8 @@ def train_medusa(
                 "steps": step,
                 "config": asdict(config),
                 "held_out_top1": [round(a, 4) for a in top1],
+                "held_out_simulated_tau": round(tau, 4),
+                "calibrated_tree_nodes": len(tree),
                 "draft_vocab_coverage": round(coverage, 4),
                 "target_agreement_on_data": round(train.target_agreement, 4),
                 "seconds": round(seconds, 1),
@@ -325,6 +391,8 @@ def train_medusa(
         draft_vocab_coverage=coverage,
         accuracy=accuracy,
         top1=top1,
+        simulated_tau=tau,
+        tree_nodes=len(tree),
         seconds=seconds,
         feature_seconds=feature_seconds,
         history=history,

@@ -17,6 +17,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from specdec.errors import ConfigError
 from specdec.tree.draft_tree import DraftTree
 
@@ -99,6 +101,28 @@ def expected_accepted(topology: Topology, accuracy: Sequence[Sequence[float]]) -
         else 0.0
         for path in topology
     )
+
+
+def accepted_lengths(topology: Topology, match: torch.Tensor) -> torch.Tensor:
+    """How many drafts a greedy tree walk over ``topology`` accepts at each position: the
+    depth of the deepest path all of whose nodes were right. Measured, not assumed
+    independent, so it checks ``expected_accepted`` (and the tree sizing built on it).
+    match [B, D, R] bool: the rank-r candidate at depth d+1 was the target's token.
+
+    >>> m = torch.tensor([[[True, False], [False, True]], [[False, True], [True, False]]])
+    >>> accepted_lengths(((0,), (0, 0), (1,), (0, 1)), m).tolist()
+    [2, 1]
+    """
+    depth, ranks = match.shape[1], match.shape[2]
+    best = torch.zeros(match.shape[0], dtype=torch.long)  # [B]
+    for path in topology:
+        if len(path) > depth or any(r >= ranks for r in path):
+            continue  # never right: the candidates it needs were not ranked
+        hit = torch.ones_like(best, dtype=torch.bool)  # [B]
+        for d, r in enumerate(path):
+            hit &= match[:, d, r]
+        best = torch.where(hit, torch.clamp_min(best, len(path)), best)
+    return best
 
 
 def preset_names() -> list[str]:
