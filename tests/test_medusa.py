@@ -414,3 +414,44 @@ def test_soft_targets_are_the_targets_prediction_of_each_heads_label(tiny, data_
         feats.hidden, (idx + 1).clamp_max(len(feats) - 1), feats.labels, teacher
     )
     assert not torch.equal(shifted.argmax(-1)[has], feats.labels[has])
+
+
+def test_feature_cache_extracts_only_answers_it_does_not_hold(tiny, data_dir: Path, tmp_path):
+    """Data grows between trainings (``data generate`` resumes with a larger --limit); the
+    cache keys every answer, so only new answers cost a target pass, and what comes back is
+    exactly what a fresh extraction gives."""
+    from specdec.training.feature_cache import features_per_record
+    from specdec.training.medusa import extract_features
+
+    records = load_data(data_dir, tiny).records
+    cache = tmp_path / "f.safetensors"
+    calls: list[int] = []
+
+    def extract(r):  # tensors of different row counts, and one skipped record
+        calls.append(r.index)
+        if r.index == records[0].index:
+            return None
+        return {"x": torch.tensor([[r.index, len(r.tokens)]]), "n": torch.arange(r.index % 3)}
+
+    first = features_per_record(cache, records[:3], {"m": 1}, "s", extract)
+    assert calls == [r.index for r in records[:3]] and first[0] is None
+    calls.clear()
+    every = features_per_record(cache, records, {"m": 1}, "s", extract)
+    assert calls == [r.index for r in records[3:]]
+    assert every[0] is None
+    for a, b in zip(first[1:], every[1:3], strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in ("x", "n"))
+    calls.clear()
+    features_per_record(cache, records, {"m": 1}, "other settings", extract)
+    assert len(calls) == len(records)  # other settings never reuse features
+    cache.write_bytes(b"not safetensors")
+    calls.clear()
+    features_per_record(cache, records, {"m": 1}, "s", extract)
+    assert len(calls) == len(records)  # a broken cache is rebuilt
+
+    real = tmp_path / "real.safetensors"
+    extract_features(tiny, records[:2], 3, real)
+    grown = extract_features(tiny, records, 3, real)
+    fresh = extract_features(tiny, records, 3)
+    assert torch.equal(grown.hidden, fresh.hidden) and torch.equal(grown.labels, fresh.labels)
+    assert grown.target_agreement == fresh.target_agreement

@@ -58,7 +58,7 @@ from specdec.training.checkpoint import (
     warmup_then_linear,
 )
 from specdec.training.data import Record, SelfDistilledData
-from specdec.training.feature_cache import fingerprint, load_cached, save_cached
+from specdec.training.feature_cache import features_per_record
 from specdec.training.medusa import draft_vocabulary
 from specdec.training.progress import NullBar, ProgressFactory
 
@@ -168,62 +168,51 @@ def extract_sequence_features(
     progress: ProgressFactory = NullBar,
     desc: str = "target features",
 ) -> SequenceFeatures:
-    """One target pass per sequence; cached in ``cache_file`` keyed by data, target, settings.
+    """One target pass per sequence; cached per answer in ``cache_file`` (keyed by target and
+    settings), so data that grew since the last training costs passes only for new answers.
 
     The cache holds both variants' inputs (the auxiliary layers and the final state), so an
     EAGLE-1 and an EAGLE-3 drafter trained on the same data share one extraction."""
     n_layers = int(loaded.model.config.num_hidden_layers)
     layers = aux_layers(config, n_layers)
     salt = f"eagle:{layers}:{config.topk_labels}:{config.context}"
-    key = fingerprint(records, loaded.identity(), salt)
-    cached = load_cached(cache_file, key)
-    if cached is None:
-        packed = _extract(loaded, records, config, layers, progress, desc)
-        save_cached(cache_file, key, packed)
-    else:
-        packed = cached[0]
-    return _unpack(packed, eagle1=config.variant == "eagle1")
+    model = loaded.model
 
+    def one(r: Record) -> dict[str, torch.Tensor] | None:
+        start = max(0, r.prompt_len - config.context)
+        toks = torch.tensor(r.tokens[start:], dtype=torch.long)  # [T]
+        first = max(r.prompt_len - 1 - start, 0)
+        if len(toks) - first < 3:
+            return None
+        keep = len(toks) - first  # logits only where labels are read
+        res = model(input_ids=toks[None], output_hidden_states=True, logits_to_keep=keep)
+        states = res.hidden_states
+        logp = torch.log_softmax(res.logits[0].float(), -1)  # [keep, V]
+        top = logp.topk(config.topk_labels, dim=-1)
+        top_ids = torch.zeros(len(toks), config.topk_labels, dtype=torch.long)
+        top_logp = torch.full((len(toks), config.topk_labels), -30.0)
+        top_ids[first:], top_logp[first:] = top.indices, top.values
+        return {
+            "tokens": toks,
+            "aux": torch.cat([states[i][0] for i in layers], -1).to(torch.float16),
+            "final": states[-1][0].to(torch.float16),
+            "top_ids": top_ids,
+            "top_logp": top_logp.to(torch.float16),
+            "lengths": torch.tensor([len(toks)]),
+            "first_label": torch.tensor([first]),
+        }
 
-def _extract(
-    loaded: LoadedModel,
-    records: Sequence[Record],
-    config: EagleTrainConfig,
-    layers: tuple[int, ...],
-    progress: ProgressFactory,
-    desc: str,
-) -> dict[str, torch.Tensor]:
-    rows: dict[str, list[torch.Tensor]] = {k: [] for k in _PACKED}
-    bar = progress(total=len(records), desc=desc, unit="seq")
-    try:
-        for r in records:
-            start = max(0, r.prompt_len - config.context)
-            toks = torch.tensor(r.tokens[start:], dtype=torch.long)  # [T]
-            first = max(r.prompt_len - 1 - start, 0)
-            if len(toks) - first < 3:
-                bar.update(1)
-                continue
-            keep = len(toks) - first  # logits only where labels are read
-            res = loaded.model(input_ids=toks[None], output_hidden_states=True, logits_to_keep=keep)
-            states = res.hidden_states
-            logp = torch.log_softmax(res.logits[0].float(), -1)  # [keep, V]
-            top = logp.topk(config.topk_labels, dim=-1)
-            top_ids = torch.zeros(len(toks), config.topk_labels, dtype=torch.long)
-            top_logp = torch.full((len(toks), config.topk_labels), -30.0)
-            top_ids[first:], top_logp[first:] = top.indices, top.values
-            rows["tokens"].append(toks)
-            rows["aux"].append(torch.cat([states[i][0] for i in layers], -1).to(torch.float16))
-            rows["final"].append(states[-1][0].to(torch.float16))
-            rows["top_ids"].append(top_ids)
-            rows["top_logp"].append(top_logp.to(torch.float16))
-            rows["lengths"].append(torch.tensor([len(toks)]))
-            rows["first_label"].append(torch.tensor([first]))
-            bar.update(1)
-    finally:
-        bar.close()
-    if not rows["tokens"]:
+    rows = [
+        r
+        for r in features_per_record(
+            cache_file, records, loaded.identity(), salt, one, progress, desc
+        )
+        if r is not None
+    ]
+    if not rows:
         raise DataError("no sequence has a response long enough to learn from")
-    return {k: torch.cat(v) for k, v in rows.items()}
+    packed = {k: torch.cat([r[k] for r in rows]) for k in _PACKED}
+    return _unpack(packed, eagle1=config.variant == "eagle1")
 
 
 _PACKED = ("tokens", "aux", "final", "top_ids", "top_logp", "lengths", "first_label")

@@ -1,8 +1,11 @@
 """Target features cached on disk, keyed by the data, the target and the trainer's settings.
 
-Extracting features costs one target pass per training sequence (minutes on a CPU), so
-trainers keep them next to their checkpoint; a key mismatch (other data, another target,
-other settings) or a broken file means the cache is rebuilt, never silently reused.
+Extracting features costs one target pass per training sequence (about a second each for the
+bundled model on one core), so trainers keep them next to their checkpoint; a key mismatch
+(another target, other settings) or a broken file means the cache is rebuilt, never silently
+reused. ``features_per_record`` keys every answer separately, so retraining after ``specdec
+data generate`` has added answers (or on a subset of the categories) extracts only the answers
+the cache does not hold yet.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +22,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from specdec.training.data import Record
+from specdec.training.progress import NullBar, ProgressFactory
+
+PER_RECORD_FORMAT = "specdec-features-per-record/1"
+Extractor = Callable[[Record], dict[str, torch.Tensor] | None]
 
 
 def fingerprint(records: Sequence[Record], identity: dict[str, Any], salt: str) -> str:
@@ -61,3 +68,88 @@ def save_cached(
     contiguous = {k: v.contiguous() for k, v in tensors.items()}
     save_file(contiguous, str(tmp), metadata={**(metadata or {}), "key": key})
     os.replace(tmp, cache_file)
+
+
+def record_digest(r: Record) -> str:
+    h = hashlib.sha256(f"{r.index}:{r.prompt_len}:{len(r.tokens)};".encode())
+    h.update(torch.tensor(r.tokens, dtype=torch.int32).numpy().tobytes())
+    return h.hexdigest()[:24]
+
+
+def features_per_record(
+    cache_file: Path | None,
+    records: Sequence[Record],
+    identity: dict[str, Any],
+    salt: str,
+    extract: Extractor,
+    progress: ProgressFactory = NullBar,
+    desc: str = "target features",
+) -> list[dict[str, torch.Tensor] | None]:
+    """Each record's feature tensors (``extract(record)``; None for a record it skips),
+    taking the ones ``cache_file`` already holds for the same target and ``salt`` and
+    extracting only the rest; the file is rewritten to hold exactly ``records``.
+
+    Every tensor a record yields is stored row-concatenated with its per-record row count, so
+    ``extract`` may return tensors of different lengths (positions, one-row counters)."""
+    key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode() + salt.encode())
+    setting = key.hexdigest()[:32]
+    digests = [record_digest(r) for r in records]
+    have = _load_per_record(cache_file, setting)
+    missing = [i for i, d in enumerate(digests) if d not in have]
+    out: list[dict[str, torch.Tensor] | None] = [have.get(d) for d in digests]
+    if missing:
+        bar = progress(total=len(missing), desc=desc, unit="seq")
+        try:
+            for i in missing:
+                out[i] = extract(records[i])
+                bar.update(1)
+        finally:
+            bar.close()
+    if missing or len(have) != len(set(digests)):
+        _save_per_record(cache_file, setting, digests, out)
+    return out
+
+
+def _save_per_record(
+    cache_file: Path | None,
+    setting: str,
+    digests: list[str],
+    rows: list[dict[str, torch.Tensor] | None],
+) -> None:
+    if cache_file is None:
+        return
+    kept = [(d, r) for d, r in zip(digests, rows, strict=True) if r is not None]
+    names = sorted(kept[0][1]) if kept else []
+    tensors = {}
+    for name in names:
+        tensors[name] = torch.cat([r[name] for _, r in kept])
+        tensors[f"rows.{name}"] = torch.tensor([len(r[name]) for _, r in kept], dtype=torch.long)
+    skipped = sorted({d for d, r in zip(digests, rows, strict=True) if r is None})
+    meta = {
+        "format": PER_RECORD_FORMAT,
+        "kept": json.dumps([d for d, _ in kept]),
+        "skipped": json.dumps(skipped),
+    }
+    save_cached(cache_file, setting, tensors, meta)
+
+
+def _load_per_record(
+    cache_file: Path | None, setting: str
+) -> dict[str, dict[str, torch.Tensor] | None]:
+    """digest -> that record's tensors (None: extraction skipped it); {} when unusable."""
+    cached = load_cached(cache_file, setting)
+    if cached is None or cached[1].get("format") != PER_RECORD_FORMAT:
+        return {}
+    tensors, meta = cached
+    try:
+        kept = json.loads(meta["kept"])
+        have: dict[str, dict[str, torch.Tensor] | None] = dict.fromkeys(json.loads(meta["skipped"]))
+        names = [k for k in tensors if not k.startswith("rows.")]
+        split = {n: torch.split(tensors[n], tensors[f"rows.{n}"].tolist()) for n in names}
+        if any(len(parts) != len(kept) for parts in split.values()):
+            return {}
+        for i, d in enumerate(kept):
+            have[d] = {n: split[n][i] for n in names}
+    except (KeyError, ValueError, RuntimeError):
+        return {}  # a broken cache is rebuilt
+    return have

@@ -37,7 +37,7 @@ from specdec.training.checkpoint import (
     warmup_then_linear,
 )
 from specdec.training.data import Record, SelfDistilledData
-from specdec.training.feature_cache import fingerprint, load_cached, save_cached
+from specdec.training.feature_cache import features_per_record
 from specdec.training.progress import NullBar, ProgressFactory
 from specdec.tree.topology import Topology, accepted_lengths
 
@@ -119,52 +119,48 @@ def extract_features(
     progress: ProgressFactory = NullBar,
     desc: str = "target features",
 ) -> Features:
-    """One target pass per sequence; cached in ``cache_file`` keyed by data and target."""
-    key = fingerprint(records, loaded.identity(), str(num_heads))
-    cached = load_cached(cache_file, key)
-    if cached is not None:
-        t, meta = cached
-        return Features(t["hidden"], t["labels"], float(meta["target_agreement"]))
+    """One target pass per sequence; cached per answer in ``cache_file``, so data that grew
+    since the last training costs passes only for the new answers."""
     model = loaded.model
-    hidden_rows: list[torch.Tensor] = []
-    label_rows: list[torch.Tensor] = []
-    agree = total = 0
-    bar = progress(total=len(records), desc=desc, unit="seq")
-    try:
-        for r in records:
-            n = len(r.tokens)
-            start = max(r.prompt_len - 1, 0)
-            if n - start < 2:
-                bar.update(1)
-                continue
-            ids = torch.tensor([r.tokens], dtype=torch.long)  # [1, T]
-            out = model(input_ids=ids, output_hidden_states=True, logits_to_keep=n - start)
-            h = out.hidden_states[-1][0, start : n - 1]  # [P, H]
-            pred = out.logits[0, : n - 1 - start].argmax(-1)  # [P]
-            tokens = torch.tensor(r.tokens, dtype=torch.long)  # [T]
-            agree += int((pred == tokens[start + 1 : n]).sum())
-            total += n - 1 - start
-            pos = torch.arange(start, n - 1)  # [P]
-            labels = torch.full((len(pos), num_heads), IGNORE, dtype=torch.long)  # [P, K]
-            for k in range(num_heads):
-                tgt = pos + k + 2
-                ok = tgt < n
-                labels[ok, k] = tokens[tgt[ok]]
-            hidden_rows.append(h.to(torch.float16))
-            label_rows.append(labels)
-            bar.update(1)
-    finally:
-        bar.close()
-    if not hidden_rows:
+
+    def one(r: Record) -> dict[str, torch.Tensor] | None:
+        n = len(r.tokens)
+        start = max(r.prompt_len - 1, 0)
+        if n - start < 2:
+            return None
+        ids = torch.tensor([r.tokens], dtype=torch.long)  # [1, T]
+        out = model(input_ids=ids, output_hidden_states=True, logits_to_keep=n - start)
+        h = out.hidden_states[-1][0, start : n - 1]  # [P, H]
+        pred = out.logits[0, : n - 1 - start].argmax(-1)  # [P]
+        tokens = torch.tensor(r.tokens, dtype=torch.long)  # [T]
+        pos = torch.arange(start, n - 1)  # [P]
+        labels = torch.full((len(pos), num_heads), IGNORE, dtype=torch.long)  # [P, K]
+        for k in range(num_heads):
+            tgt = pos + k + 2
+            ok = tgt < n
+            labels[ok, k] = tokens[tgt[ok]]
+        agree = int((pred == tokens[start + 1 : n]).sum())
+        return {
+            "hidden": h.to(torch.float16),
+            "labels": labels,
+            "agreement": torch.tensor([agree, n - 1 - start], dtype=torch.long),  # [2]
+        }
+
+    rows = [
+        r
+        for r in features_per_record(
+            cache_file, records, loaded.identity(), f"medusa:{num_heads}", one, progress, desc
+        )
+        if r is not None
+    ]
+    if not rows:
         raise DataError("no sequence has a response to learn from")
-    feats = Features(torch.cat(hidden_rows), torch.cat(label_rows), agree / max(total, 1))
-    save_cached(
-        cache_file,
-        key,
-        {"hidden": feats.hidden, "labels": feats.labels},
-        {"target_agreement": str(feats.target_agreement)},
+    agree, total = torch.stack([r["agreement"] for r in rows]).sum(0).tolist()
+    return Features(
+        torch.cat([r["hidden"] for r in rows]),
+        torch.cat([r["labels"] for r in rows]),
+        agree / max(total, 1),
     )
-    return feats
 
 
 def draft_vocabulary(records: Sequence[Record], size: int, vocab_size: int) -> torch.Tensor:
