@@ -25,9 +25,19 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specdec.target import load_model
-from specdec.training.data import SelfDistilledData, load_data
-from specdec.training.medusa import MedusaTrainConfig, train_medusa
+from specdec.bench.workloads import load_questions, spread
+from specdec.heads.medusa import load_medusa
+from specdec.request import encode_prompt
+from specdec.speculators.medusa import best_sized_topology
+from specdec.target import LoadedModel, load_model
+from specdec.training.data import Record, SelfDistilledData, load_data
+from specdec.training.medusa import (
+    Features,
+    MedusaTrainConfig,
+    extract_features,
+    simulated_tau,
+    train_medusa,
+)
 
 
 def fit_log_linear(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -57,6 +67,13 @@ def main() -> int:
     ap.add_argument("--work", default="data-scaling-runs", help="checkpoints, one per size")
     ap.add_argument("--out", default="docs/data-scaling")
     ap.add_argument("--tau-target", type=float, default=2.0)
+    ap.add_argument(
+        "--eval-questions",
+        help="also measure every checkpoint on the target's greedy answers to these questions "
+        "(a Spec-Bench question.jsonl; measured, never trained on)",
+    )
+    ap.add_argument("--eval-group", default="mt_bench", help="task group of --eval-questions")
+    ap.add_argument("--eval-count", type=int, default=16, help="questions, evenly spread")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     loaded = load_model()
@@ -66,6 +83,9 @@ def main() -> int:
     pool = [r for i, r in enumerate(data.records) if i >= among or i % args.hold_every]
     sizes = sorted({min(int(s), len(pool)) for s in args.sizes.split(",")})
     config = MedusaTrainConfig(epochs=args.epochs, soft_weight=args.soft_weight)
+    bench = None
+    if args.eval_questions:
+        bench = eval_features(loaded, args, data.manifest.max_new_tokens, config.num_heads)
     rows = []
     for n in sizes:
         ckpt = Path(args.work) / f"answers-{n}"
@@ -88,6 +108,10 @@ def main() -> int:
                 "seconds": info["seconds"],
             }
         )
+        if bench is not None:
+            heads = load_medusa(ckpt)
+            tree = best_sized_topology(heads.config.accuracy)
+            rows[-1]["eval_tau"] = round(simulated_tau(heads, bench, tree), 4)
         tqdm.write(f"{n} answers: simulated tau {rows[-1]['tau']:.3f}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -96,13 +120,44 @@ def main() -> int:
     return 0
 
 
+def eval_features(
+    loaded: LoadedModel, args: argparse.Namespace, max_new_tokens: int, num_heads: int
+) -> Features:
+    """Features of the target's own greedy answers to evaluation questions (first turns), the
+    positions a benchmark of that group would draft on; answers and features are cached in
+    ``--work``."""
+    questions = [
+        q for q in load_questions(args.eval_questions).questions if q.group == args.eval_group
+    ]
+    picked = [questions[i] for i in spread(len(questions), args.eval_count)]
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    answers_file = work / f"eval-{args.eval_group}-{len(picked)}.json"
+    answers = json.loads(answers_file.read_text()) if answers_file.is_file() else {}
+    records = []
+    for i, q in enumerate(tqdm(picked, desc=f"{args.eval_group} answers", unit="question")):
+        ids = encode_prompt(loaded.tokenizer, q.prompt, chat=True)
+        key = str(q.question_id)
+        if key not in answers:
+            with torch.inference_mode():
+                out = loaded.model.generate(
+                    input_ids=torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False
+                )
+            answers[key] = out[0].tolist()
+            answers_file.write_text(json.dumps(answers))
+        records.append(Record(tuple(answers[key]), len(ids), i))
+    return extract_features(
+        loaded, records, num_heads, work / f"eval-{args.eval_group}-features.safetensors"
+    )
+
+
 def write_report(
     out: Path, rows: list[dict], args: argparse.Namespace, n_held: int, n_all: int
 ) -> None:
     xs = [float(r["answers"]) for r in rows]
     taus = [r["tau"] for r in rows]
     a, b = fit_log_linear(xs, taus) if len(rows) > 1 else (taus[0], 0.0)
-    need = 2 ** ((args.tau_target - a) / b) if b > 0 else math.inf
+    evaluated = f" simulated τ ({args.eval_group} answers)" if "eval_tau" in rows[0] else ""
     lines = [
         "# Medusa heads against the amount of self-distilled data",
         "",
@@ -118,26 +173,33 @@ def write_report(
         "```",
         "",
         "| answers | train positions | top-1 per head | top-1 after a right chain | tree nodes "
-        "| simulated τ | train s |",
-        "|---:|---:|---|---|---:|---:|---:|",
+        f"| simulated τ (held out) |{evaluated}{' |' if evaluated else ''} train s |",
+        f"|---:|---:|---|---|---:|---:|{'---:|' if evaluated else ''}---:|",
     ]
     for r in rows:
+        extra = f" {r['eval_tau']:.3f} |" if evaluated else ""
         lines.append(
             f"| {r['answers']} | {r['train_positions']} | "
             f"{' / '.join(f'{x:.3f}' for x in r['top1'])} | "
             f"{' / '.join(f'{x:.3f}' for x in r['chained_top1'])} | {r['tree_nodes']} | "
-            f"{r['tau']:.3f} | {r['seconds']:.0f} |"
+            f"{r['tau']:.3f} |{extra} {r['seconds']:.0f} |"
+        )
+    lines.append("")
+    for name, key in (("held out", "tau"), (evaluated.strip(), "eval_tau")):
+        if not name or len(rows) < 2:
+            continue
+        a, b = fit_log_linear(xs, [r[key] for r in rows])
+        need = 2 ** ((args.tau_target - a) / b) if b > 0 else math.inf
+        lines.append(
+            f"- {name}: τ ≈ {a:.3f} + {b:.3f} · log2(answers), +{b:.3f} per doubling; "
+            + (
+                f"τ {args.tau_target:g} at about {need:,.0f} answers (a log-linear fit "
+                "extrapolated past its data: an order of magnitude, not a promise)."
+                if math.isfinite(need)
+                else "not growing with the data; no extrapolation."
+            )
         )
     lines += [
-        "",
-        f"Fit: τ ≈ {a:.3f} + {b:.3f} · log2(answers), i.e. +{b:.3f} per doubling of the data.",
-        (
-            f"Extrapolated, simulated τ {args.tau_target:g} needs about {need:,.0f} answers "
-            "(a log-linear fit extrapolated far past its data: an order of magnitude, not a "
-            "promise)."
-            if math.isfinite(need)
-            else "τ does not grow with the data here; no extrapolation."
-        ),
         "",
         "![simulated τ and head-1 accuracy against answers](data_scaling.png)",
         "",
@@ -155,6 +217,8 @@ def write_report(
             min(xs) * 2 ** (i / 4) for i in range(int(4 * math.log2(max(xs) * 8 / min(xs))) + 1)
         ]
         ax1.plot(grid, [a + b * math.log2(x) for x in grid], "--", label="log-linear fit")
+    if evaluated:
+        ax1.plot(xs, [r["eval_tau"] for r in rows], "s-", label=f"{args.eval_group} answers")
     ax1.axhline(args.tau_target, color="grey", lw=0.8)
     ax1.set_xscale("log", base=2)
     ax1.set_xlabel("self-distilled answers")
