@@ -33,9 +33,14 @@ def fingerprint(records: Sequence[Record], identity: dict[str, Any], salt: str) 
     h = hashlib.sha256(json.dumps(identity, sort_keys=True).encode())
     h.update(salt.encode())
     for r in records:
-        h.update(f"{r.index}:{r.prompt_len}:{len(r.tokens)};".encode())
-        h.update(torch.tensor(r.tokens, dtype=torch.int32).numpy().tobytes())
+        h.update(record_digest(r).encode())
     return h.hexdigest()[:32]
+
+
+def record_digest(r: Record) -> str:
+    h = hashlib.sha256(f"{r.index}:{r.prompt_len}:{len(r.tokens)};".encode())
+    h.update(torch.tensor(r.tokens, dtype=torch.int32).numpy().tobytes())
+    return h.hexdigest()[:24]
 
 
 def load_cached(
@@ -70,12 +75,6 @@ def save_cached(
     os.replace(tmp, cache_file)
 
 
-def record_digest(r: Record) -> str:
-    h = hashlib.sha256(f"{r.index}:{r.prompt_len}:{len(r.tokens)};".encode())
-    h.update(torch.tensor(r.tokens, dtype=torch.int32).numpy().tobytes())
-    return h.hexdigest()[:24]
-
-
 def features_per_record(
     cache_file: Path | None,
     records: Sequence[Record],
@@ -91,8 +90,7 @@ def features_per_record(
 
     Every tensor a record yields is stored row-concatenated with its per-record row count, so
     ``extract`` may return tensors of different lengths (positions, one-row counters)."""
-    key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode() + salt.encode())
-    setting = key.hexdigest()[:32]
+    setting = fingerprint((), identity, salt)  # the target and settings, not the records
     digests = [record_digest(r) for r in records]
     have = _load_per_record(cache_file, setting)
     missing = [i for i, d in enumerate(digests) if d not in have]

@@ -295,11 +295,11 @@ def train_medusa(
         target=loaded.identity(),
     )
     heads = MedusaHeads(mconfig, token_map)
-    heads.init_from_lm_head(dense_weight(loaded.model.get_output_embeddings()))
-    teacher = None
+    lm_head = dense_weight(loaded.model.get_output_embeddings()).detach().float()  # [V, H]
+    heads.init_from_lm_head(lm_head)
+    teacher = None  # [V_draft, H]: the target's readout over the draft vocabulary
     if config.soft_weight > 0:
-        w = dense_weight(loaded.model.get_output_embeddings()).detach().float()  # [V, H]
-        teacher = w if token_map is None else w[token_map]  # [V_draft, H]
+        teacher = lm_head if token_map is None else lm_head[token_map]
     valid = train.labels != IGNORE
     coverage = float((heads.to_draft_ids(train.labels) != IGNORE)[valid].float().mean())
     opt = torch.optim.AdamW(heads.parameters(), lr=config.lr, weight_decay=0.0)

@@ -115,13 +115,13 @@ def accepted_lengths(topology: Topology, match: torch.Tensor) -> torch.Tensor:
     """
     depth, ranks = match.shape[1], match.shape[2]
     best = torch.zeros(match.shape[0], dtype=torch.long)  # [B]
-    for path in topology:
-        if len(path) > depth or any(r >= ranks for r in path):
+    hits: dict[Path_, torch.Tensor] = {(): torch.ones_like(best, dtype=torch.bool)}
+    for path in topology:  # parents come first, so a node extends its parent's hits
+        parent = hits.get(path[:-1])
+        if parent is None or len(path) > depth or path[-1] >= ranks:
             continue  # never right: the candidates it needs were not ranked
-        hit = torch.ones_like(best, dtype=torch.bool)  # [B]
-        for d, r in enumerate(path):
-            hit &= match[:, d, r]
-        best = torch.where(hit, torch.clamp_min(best, len(path)), best)
+        hits[path] = parent & match[:, len(path) - 1, path[-1]]  # [B]
+        best = torch.where(hits[path], torch.clamp_min(best, len(path)), best)
     return best
 
 
