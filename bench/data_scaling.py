@@ -156,7 +156,6 @@ def write_report(
 ) -> None:
     xs = [float(r["answers"]) for r in rows]
     taus = [r["tau"] for r in rows]
-    a, b = fit_log_linear(xs, taus) if len(rows) > 1 else (taus[0], 0.0)
     evaluated = f" simulated τ ({args.eval_group} answers)" if "eval_tau" in rows[0] else ""
     lines = [
         "# Medusa heads against the amount of self-distilled data",
@@ -213,10 +212,13 @@ def write_report(
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     ax1.plot(xs, taus, "o-", label="measured (held out)")
     if len(rows) > 1:
+        a, b = fit_log_linear(xs, taus)
         grid = [
             min(xs) * 2 ** (i / 4) for i in range(int(4 * math.log2(max(xs) * 8 / min(xs))) + 1)
         ]
-        ax1.plot(grid, [a + b * math.log2(x) for x in grid], "--", label="log-linear fit")
+        ax1.plot(
+            grid, [a + b * math.log2(x) for x in grid], "--", label="log-linear fit (held out)"
+        )
     if evaluated:
         ax1.plot(xs, [r["eval_tau"] for r in rows], "s-", label=f"{args.eval_group} answers")
     ax1.axhline(args.tau_target, color="grey", lw=0.8)
