@@ -26,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from specdec.bench.workloads import load_questions, spread
+from specdec.errors import SpecDecError
 from specdec.heads.medusa import load_medusa
 from specdec.request import encode_prompt
 from specdec.speculators.medusa import best_sized_topology
@@ -237,4 +238,8 @@ def write_report(
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except SpecDecError as e:  # bad paths, data from another model, ...: one line, exit 2
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
