@@ -26,8 +26,8 @@ from specdec.control.calibration import (
 )
 from specdec.control.controller import ArmSpec, Choice, Controller, ControllerConfig
 from specdec.errors import CheckpointError, ConfigError, UnknownSpeculatorError
-from specdec.speculators import PromptLookupSpeculator
-from specdec.speculators.auto import AutoSpeculator
+from specdec.speculators import PromptLookupSpeculator, Speculator
+from specdec.control.arms import ArmController
 from specdec.target import load_model
 from specdec.testing import MarkovSpeculator, MarkovTarget, ScriptedSpeculator, word_tokenizer
 from specdec.tree import DraftTree
@@ -206,12 +206,8 @@ def test_cost_unit_follows_load_and_context_while_only_drafting():
     assert costs.ratio(5) == 1.2  # chains are timed separately
 
 
-class _Offered:
+class _Offered(Speculator):
     """A free drafter (offered arm) proposing ``draft(context length)``."""
-
-    produces_q = False
-    needs_hidden_states = False
-    drafts_trees = False
 
     def __init__(self, name: str, draft) -> None:
         self.name = name
@@ -219,12 +215,6 @@ class _Offered:
 
     def propose(self, context, budget: int) -> DraftTree:
         return DraftTree.chain(context.tokens[-1], self.draft(len(context.tokens))[:budget])
-
-    def observe(self, feedback) -> None:
-        pass
-
-    def reset(self) -> None:
-        pass
 
 
 def test_unchosen_free_drafts_are_learned_from_the_committed_tokens():
@@ -245,15 +235,15 @@ def test_unchosen_free_drafts_are_learned_from_the_committed_tokens():
         _Offered("a", lambda n: right(n) if phase["a"] else wrong(n)),
         _Offered("b", lambda n: wrong(n) if phase["a"] else right(n)),
     ]
-    auto = AutoSpeculator(arms, config=ControllerConfig(max_draft=5))
-    auto.bind_cost_model(flat_costs(slope=0.3))
+    auto = ArmController(arms, config=ControllerConfig(max_draft=5))
+    auto.bind_costs(flat_costs(slope=0.3))
     tokens = [truth[0]]
 
     def go(steps: int) -> list[str | None]:
         out = []
         for _ in range(steps):
             ctx = DraftContext(tokens, 1, SamplingConfig(), torch.Generator())
-            tree = auto.propose(ctx, budget=50)
+            tree = auto.draft(ctx, budget=50)
             n = 0
             while n < tree.num_drafted and tree.tokens[n + 1] == truth[len(tokens) + n]:
                 n += 1
@@ -359,7 +349,7 @@ def test_calibration_measures_saves_and_primes_the_engine(tiny64, tmp_path, monk
     assert path.is_relative_to(tmp_path / "specdec" / "cost")
     loaded = load_cost_calibration(tiny64)
     assert loaded is not None and loaded.ratios(True) == cal.ratios(True)
-    engine = SpeculativeEngine.from_pretrained(tiny64, method="prompt-lookup")
+    engine = SpeculativeEngine.from_pretrained(tiny64, speculator="prompt-lookup")
     assert engine.cost_model.chain_ratios == cal.ratios(False)
     path.write_text("{not json")  # unreadable: ignored with a warning, the generic prior used
     assert load_cost_calibration(tiny64) is None
@@ -378,16 +368,12 @@ PROMPTS = [
 ]
 
 
-@pytest.mark.parametrize("arms", [None, "prompt-lookup+draft", "suffix+lookahead+self"])
+@pytest.mark.parametrize(
+    "arms", [None, "[prompt-lookup,draft:model=DRAFT]", "[suffix,lookahead,self:layers=exit:2]"]
+)
 def test_auto_greedy_equals_plain(tiny64, tiny_draft_dir, arms):
-    engine = SpeculativeEngine.from_pretrained(
-        tiny64,
-        method="auto",
-        draft=str(tiny_draft_dir),
-        self_draft="exit:2",
-        auto_arms=arms,
-        num_draft_tokens=4,
-    )
+    spec = "auto" if arms is None else "auto:arms=" + arms.replace("DRAFT", str(tiny_draft_dir))
+    engine = SpeculativeEngine.from_pretrained(tiny64, speculator=spec, num_draft_tokens=4)
     total: dict[str, int] = {}
     for _ in range(2):  # the second pass: the suffix cache drafts earlier answers
         for prompt in PROMPTS:
@@ -400,14 +386,11 @@ def test_auto_greedy_equals_plain(tiny64, tiny_draft_dir, arms):
     assert spec.stats.to_dict()["choices"] == spec.stats.choices
     drafted = {k for k in total if k != "none"}
     assert drafted, total  # something drafted on these repetitive prompts
-    if arms is None:  # the training-free ones and every trained one configured
-        assert set(engine.speculator.arms) == {
-            "prompt-lookup",
-            "suffix",
-            "lookahead",
-            "draft",
-            "self",
-        }
+    assert engine.arms is not None
+    if arms is None:  # the training-free ones
+        assert set(engine.arms.arms) == {"prompt-lookup", "suffix", "lookahead"}
+    else:
+        assert len(engine.arms.arms) == len(engine.speculators) == arms.count(",") + 1
 
 
 def test_auto_with_medusa_reads_features(tiny64, tmp_path):
@@ -419,9 +402,10 @@ def test_auto_with_medusa_reads_features(tiny64, tmp_path):
     torch.manual_seed(0)
     MedusaHeads(mcfg).save(tmp_path / "heads")
     engine = SpeculativeEngine.from_pretrained(
-        tiny64, method="auto", medusa=str(tmp_path / "heads"), auto_arms="medusa+prompt-lookup"
+        tiny64, speculator=f"auto:arms=[medusa:dir={tmp_path / 'heads'},prompt-lookup]"
     )
-    assert engine.speculator.needs_hidden_states
+    assert engine.target.features is not None or engine.speculators[0].needs_hidden_states
+    assert engine.arms is not None and engine.arms.needs_hidden_states
     for prompt in PROMPTS:
         plain = engine.generate(prompt, max_new_tokens=30, ignore_eos=True, speculate=False)
         spec = engine.generate(prompt, max_new_tokens=30, ignore_eos=True)
@@ -429,18 +413,21 @@ def test_auto_with_medusa_reads_features(tiny64, tmp_path):
 
 
 def test_auto_bad_configurations(tiny64, other_vocab_model_dir):
+    def build(spec: str) -> SpeculativeEngine:
+        return SpeculativeEngine.from_pretrained(tiny64, speculator=spec)
+
     with pytest.raises(UnknownSpeculatorError, match="unknown speculator 'nope'"):
-        SpeculativeEngine.from_pretrained(tiny64, method="auto", auto_arms="suffix+nope")
-    with pytest.raises(UnknownSpeculatorError):
-        SpeculativeEngine.from_pretrained(tiny64, method="auto", auto_arms="auto")
+        build("auto:arms=suffix+nope")
+    with pytest.raises(ConfigError, match="auto cannot choose 'auto'"):
+        build("auto:arms=auto")
     with pytest.raises(ConfigError, match="twice"):
-        SpeculativeEngine.from_pretrained(tiny64, method="auto", auto_arms="suffix+suffix")
-    with pytest.raises(ConfigError, match="needs --medusa"):
-        SpeculativeEngine.from_pretrained(tiny64, method="auto", auto_arms="medusa")
+        build("auto:arms=suffix+suffix")
+    with pytest.raises(ConfigError, match="needs dir="):
+        build("auto:arms=medusa")
     with pytest.raises(Exception, match="vocabulary"):
-        SpeculativeEngine.from_pretrained(tiny64, method="auto", draft=str(other_vocab_model_dir))
+        build(f"auto:arms=[suffix,draft:model={other_vocab_model_dir}]")
     with pytest.raises(CheckpointError):
-        SpeculativeEngine.from_pretrained(tiny64, method="auto", medusa=str(other_vocab_model_dir))
+        build(f"auto:arms=[medusa:dir={other_vocab_model_dir}]")
 
 
 def test_auto_sampling_is_lossless():
@@ -458,8 +445,10 @@ def test_auto_sampling_is_lossless():
     target_t, draft_t = tables()
     arms = [MarkovSpeculator(draft_t), ScriptedSpeculator({1: [0, 1], 2: [2], 3: [1, 1]})]
     arms[0].name = "draft"  # an on-demand arm: produces q
-    auto = AutoSpeculator(arms, num_draft_tokens=K, config=ControllerConfig(max_draft=K))
-    engine = SpeculativeEngine(MarkovTarget(target_t), word_tokenizer(3), auto, num_draft_tokens=K)
+    auto = ArmController(arms, num_draft_tokens=K, config=ControllerConfig(max_draft=K))
+    engine = SpeculativeEngine(
+        MarkovTarget(target_t), word_tokenizer(3), arms=auto, num_draft_tokens=K
+    )
     counts_ = sample_joint(engine, start=0)
     assert sum(counts_.values()) == SAMPLES
     assert chi_square_pvalue(counts_, exact_joint(target_t, 0)) > 1e-3
@@ -469,9 +458,7 @@ def test_auto_sampled_output_depends_on_the_seed_only(tiny64):
     """Timings and other requests' greedy traffic do not change a seeded sampled output (the
     suffix cache is left out: what it learns from other requests changes any method's drafts,
     hence which random numbers are drawn)."""
-    engine = SpeculativeEngine.from_pretrained(
-        tiny64, method="auto", auto_arms="prompt-lookup+lookahead"
-    )
+    engine = SpeculativeEngine.from_pretrained(tiny64, speculator="auto:arms=prompt-lookup+lookahead")
     kw = dict(max_new_tokens=30, temperature=0.8, seed=3, ignore_eos=True)
     first = engine.generate(PROMPTS[1], **kw)
     engine.generate(PROMPTS[2], max_new_tokens=30, ignore_eos=True)  # greedy traffic in between
@@ -489,7 +476,7 @@ def test_feature_columns_are_sliced_per_arm():
         name = "final"
         needs_hidden_states = True
 
-    auto = AutoSpeculator([Final(), Feat()], num_layers=4)
+    auto = ArmController([Final(), Feat()], num_layers=4)
     assert auto.feature_layers == (-1, 2)  # -1 and 4 are the same state: kept once
     feats = torch.cat([torch.full((3, 2), 1.0), torch.full((3, 2), 2.0)], -1)  # [M, 2H]
     from specdec.config import SamplingConfig
@@ -506,7 +493,7 @@ def test_doctests():
 
     from specdec.bench import methods
     from specdec.control import budget, calibration, controller
-    from specdec.speculators import auto
+    from specdec.control import arms as auto
 
     for module in (budget, calibration, controller, auto, methods):
         assert doctest.testmod(module).failed == 0, module.__name__

@@ -47,7 +47,7 @@ def test_kv_cache_invariant_after_mixed_accept_reject(tiny32):
     """After every step the target cache holds exactly the committed tokens but the last, and
     equals a fresh prefill of them; the draft's cache likewise after its rollback."""
     engine = SpeculativeEngine.from_pretrained(
-        tiny32, method="draft", draft="layers:2", num_draft_tokens=4, adaptive=False
+        tiny32, speculator="draft:layers:2", num_draft_tokens=4, adaptive=False
     )
     prompt_ids = engine.encode(PROMPT)
     committed = list(prompt_ids)
@@ -149,7 +149,7 @@ def test_eos_in_bulk_acceptance_ends_the_request():
 
 
 def test_stream_deltas_concatenate_to_generate_text(tiny32):
-    engine = SpeculativeEngine.from_pretrained(tiny32, method="prompt-lookup")
+    engine = SpeculativeEngine.from_pretrained(tiny32, speculator="prompt-lookup")
     events = list(engine.stream(PROMPT, max_new_tokens=30))
     res = engine.generate(PROMPT, max_new_tokens=30)
     assert "".join(e.text for e in events) == res.text
@@ -168,7 +168,7 @@ def test_chat_messages_use_the_chat_template(tiny32):
 
 
 def test_seeded_sampling_is_reproducible(tiny32):
-    engine = SpeculativeEngine.from_pretrained(tiny32, method="draft", draft="layers:2")
+    engine = SpeculativeEngine.from_pretrained(tiny32, speculator="draft:layers:2")
     kw = dict(max_new_tokens=25, temperature=0.9, top_p=0.95, ignore_eos=True)
     a = engine.generate(PROMPT, seed=7, **kw)
     b = engine.generate(PROMPT, seed=7, **kw)
@@ -183,7 +183,7 @@ def test_real_model_sampling_distribution_of_two_tokens(tiny_model_dir):
     loaded = load_model(tiny_model_dir, dtype="float64")
     cfg = SamplingConfig(temperature=1.0, top_k=3)
     engine = SpeculativeEngine.from_pretrained(
-        loaded, method="draft", draft="layers:1", num_draft_tokens=3, adaptive=False
+        loaded, speculator="draft:layers:1", num_draft_tokens=3, adaptive=False
     )
     prompt_ids = engine.encode(PROMPT)
     runner = ModelRunner(loaded.model)

@@ -60,8 +60,9 @@ def hf_greedy(loaded, prompt_ids: list[int], n: int) -> list[int]:
 def test_greedy_equals_plain(tiny64, tiny_draft_dir, method, draft, k, adaptive):
     if draft == "DIR":
         draft = str(tiny_draft_dir)
+    spec = method if draft is None else f"{method}:model={draft}"
     engine = SpeculativeEngine.from_pretrained(
-        tiny64, method=method, draft=draft, num_draft_tokens=k, adaptive=adaptive
+        tiny64, speculator=spec, num_draft_tokens=k, adaptive=adaptive
     )
     accepted_total = drafted_total = 0
     for prompt in PROMPTS:

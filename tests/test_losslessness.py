@@ -18,7 +18,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specdec import GenerationConfig, SamplingConfig, SpeculativeEngine
+from specdec import GenerationConfig, SamplingConfig, SpeculativeEngine, Speculator
 from specdec.testing import MarkovSpeculator, MarkovTarget, ScriptedSpeculator, word_tokenizer
 from specdec.tree import DraftTree
 from specdec.verify import Acceptance, RejectionSamplingRule, probs_from_logits, sample
@@ -181,7 +181,7 @@ def test_tree_with_sibling_drafts_is_lossless():
     assert pvalue > ALPHA, f"tree verification departs from p (chi-square p = {pvalue:.2e})"
 
 
-class RankedTreeSpeculator:
+class RankedTreeSpeculator(Speculator):
     """Deterministic Medusa-style trees: depth d's candidates are the draft table's ranking
     after the root token, rotated by d, laid over a topology that branches at depths 1 and 2."""
 

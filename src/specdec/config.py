@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from specdec.errors import ConfigError, InvalidRequestError
+from specdec.errors import InvalidRequestError
 
 
 @dataclass(frozen=True)
@@ -68,36 +68,3 @@ class GenerationConfig:
             object.__setattr__(self, "stop", (self.stop,))
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty strings", param="stop")
-
-
-@dataclass(frozen=True)
-class SpeculationConfig:
-    """Which speculator drafts and how much.
-
-    ``num_draft_tokens`` (K) is the most tokens drafted per step; a speculator may draft fewer
-    (prompt lookup drafts nothing when it finds no match, which costs a plain decoding step).
-    """
-
-    method: str = "none"
-    num_draft_tokens: int = 5
-    draft: str | None = None
-    prompt_lookup_max_ngram: int = 3
-    prompt_lookup_min_ngram: int = 2
-    medusa: str | None = None  # checkpoint directory for method "medusa"
-    tree: str | None = None  # tree topology: calibrated[:N] | preset name | JSON file
-    lookahead: str | None = None  # "W,N,G" for method "lookahead"; None = measured defaults
-    suffix_cache: str | None = None  # file the "suffix" method loads at start and saves to
-    self_draft: str | None = None  # layer choice for method "self"; None = saved calibration
-    auto_arms: str | None = None  # speculators method "auto" chooses from ("a+b"); None = all
-    osd: str | None = None  # directory method "osd" keeps its adapted heads in (and starts from)
-    eagle: str | None = None  # drafter directory for method "eagle" (ours, speculators, EAGLE)
-    eagle_tree: str | None = None  # "DEPTH,TOPK,TOTAL" of EAGLE-2's dynamic tree
-
-    def __post_init__(self) -> None:
-        if self.num_draft_tokens < 1:
-            raise ConfigError(f"num_draft_tokens (K) must be >= 1, got {self.num_draft_tokens}")
-        if not (1 <= self.prompt_lookup_min_ngram <= self.prompt_lookup_max_ngram):
-            raise ConfigError(
-                "prompt lookup n-gram sizes must satisfy 1 <= min <= max, got "
-                f"min={self.prompt_lookup_min_ngram} max={self.prompt_lookup_max_ngram}"
-            )

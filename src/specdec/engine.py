@@ -11,8 +11,9 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from specdec.config import GenerationConfig, SamplingConfig, SpeculationConfig
+from specdec.config import GenerationConfig, SamplingConfig
 from specdec.control import AdaptiveBudget, CostModel, FixedBudget, NodeBudget
+from specdec.control.arms import ArmController, AutoOptions, build_arm_controller
 from specdec.control.calibration import load_cost_calibration
 from specdec.errors import ConfigError
 from specdec.events import GenerationResult, TokenEvent
@@ -23,7 +24,9 @@ from specdec.speculators import (
     Feedback,
     NoSpeculator,
     Speculator,
+    SpeculatorOptions,
     build_speculator,
+    parse_spec,
 )
 from specdec.target import HFTarget, LoadedModel, Target, load_model
 from specdec.text import IncrementalDetokenizer, StopMatcher
@@ -52,10 +55,11 @@ class _Request:
     tokens: list[int]  # prompt + committed output; the last one is the next tree's root
     prompt_len: int
     config: GenerationConfig
-    speculator: Speculator
+    plain: bool  # speculate=False: plain decoding through the same loop
     rule: AcceptanceRule
     generator: torch.Generator
     budget: AdaptiveBudget | FixedBudget | NodeBudget
+    costs: CostModel  # what tree speculators price verification with (see DraftContext)
     started: float  # time.perf_counter() when the request arrived
     stats: RequestStats = field(default_factory=RequestStats)
 
@@ -70,6 +74,10 @@ class SpeculativeEngine:
     Every step drafts a tree, verifies it in one target forward pass, keeps the accepted path
     and adds one target-chosen token, so greedy output equals plain greedy decoding and sampled
     output follows exactly the target's (temperature/top-k/top-p shaped) distribution.
+
+    Who drafts is decided in the step: one ``speculator`` with the budget policy that sizes its
+    drafts, or an :class:`~specdec.control.arms.ArmController` (``arms``) choosing among several
+    speculators per step.
     """
 
     def __init__(
@@ -78,6 +86,7 @@ class SpeculativeEngine:
         tokenizer: PreTrainedTokenizerBase,
         speculator: Speculator | None = None,
         *,
+        arms: ArmController | None = None,
         num_draft_tokens: int = 5,
         eos_token_ids: Sequence[int] | None = None,
         loaded: LoadedModel | None = None,
@@ -89,11 +98,21 @@ class SpeculativeEngine:
         does not pay; ``adaptive=False`` always drafts K. ``acceptance_rule`` overrides the
         lossless default (greedy match / rejection sampling, chosen per request); only opt-in
         lossy rules or tests pass one."""
+        if speculator is not None and arms is not None:
+            raise ConfigError("give the engine one speculator or an arm controller, not both")
+        if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int):
+            raise ConfigError(f"num_draft_tokens (K) must be an integer, got {num_draft_tokens!r}")
+        if num_draft_tokens < 1:
+            raise ConfigError(f"num_draft_tokens (K) must be >= 1, got {num_draft_tokens}")
         self.target = target
         self.acceptance_rule = acceptance_rule
         self.tokenizer = tokenizer
+        self.arms = arms
         self.speculator: Speculator = speculator or NoSpeculator()
-        SpeculationConfig(num_draft_tokens=num_draft_tokens)  # validates K >= 1
+        # every speculator the engine serves: reset, end_request and features reach all of them
+        self.speculators: tuple[Speculator, ...] = (
+            arms.speculators if arms is not None else (self.speculator,)
+        )
         self.num_draft_tokens = num_draft_tokens
         self.adaptive = adaptive
         # T(n) measured on this machine, shared by requests; from `specdec calibrate cost`
@@ -107,18 +126,16 @@ class SpeculativeEngine:
         else:
             eos = tokenizer.eos_token_id
             self.eos_token_ids = frozenset() if eos is None else frozenset({int(eos)})
-        self._plain = NoSpeculator()
-        bind = getattr(self.speculator, "bind_cost_model", None)
-        if bind is not None:  # a controller prices drafts with the engine's measured costs
-            bind(self.cost_model)
-        if self.speculator.needs_hidden_states:
-            enable = getattr(target, "enable_features", None)
-            if enable is None:
+        if arms is not None:  # the controller prices drafts with the engine's measured costs
+            arms.bind_costs(self.cost_model)
+        readers = [s for s in self.speculators if s.needs_hidden_states]
+        if readers:
+            if not target.provides_features:
                 raise ConfigError(
-                    f"the {self.speculator.name} speculator reads the target's hidden states, "
+                    f"the {readers[0].name} speculator reads the target's hidden states, "
                     f"which {type(target).__name__} does not provide"
                 )
-            enable(getattr(self.speculator, "feature_layers", (-1,)))
+            target.enable_features(arms.feature_layers if arms else self.speculator.feature_layers)
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -127,72 +144,41 @@ class SpeculativeEngine:
         model: str | PathLike[str] | LoadedModel | None = None,
         *,
         gguf: str | PathLike[str] | None = None,
-        method: str = "none",
-        draft: str | None = None,
+        speculator: str | SpeculatorOptions = "none",
         num_draft_tokens: int = 5,
         dtype: str = "float32",
-        prompt_lookup_max_ngram: int = 3,
-        prompt_lookup_min_ngram: int = 2,
         adaptive: bool = True,
-        medusa: str | None = None,
-        tree: str | None = None,
         typical_acceptance: bool = False,
-        lookahead: str | None = None,
-        suffix_cache: str | None = None,
-        self_draft: str | None = None,
-        auto_arms: str | None = None,
-        osd: str | None = None,
-        eagle: str | None = None,
-        eagle_tree: str | None = None,
     ) -> SpeculativeEngine:
         """Load a target (a local HF directory, a GGUF file, or the bundled default model when
-        both are ``None``) and build the speculator registered under ``method``.
+        both are ``None``) and build the speculator ``speculator`` names: a spec such as
+        ``"eagle:dir=heads,tree=5x4x24"`` or ``"auto:arms=prompt-lookup+suffix"`` (grammar:
+        :mod:`specdec.speculators.spec`), or an options object. The spec is checked before the
+        model loads, so a typo fails in milliseconds.
 
-        ``medusa`` is a Medusa checkpoint directory, ``tree`` its tree topology
-        (``calibrated[:N]``, a preset, or a JSON file). ``typical_acceptance`` switches sampled
-        requests to Medusa's typical acceptance, which is faster but LOSSY (statistics say so).
-        ``lookahead`` is ``"W,N,G"`` for method ``lookahead``; ``suffix_cache`` a file the
-        ``suffix`` method loads and keeps saved; ``self_draft`` the layer choice of method
-        ``self`` (default: the one ``specdec calibrate self`` saved for this model). ``eagle``
-        is an EAGLE drafter directory (``specdec train eagle``, speculators or the EAGLE
-        authors' layouts), ``eagle_tree`` its dynamic tree ``"DEPTH,TOPK,TOTAL"``.
-        ``auto_arms`` restricts method ``auto`` to these speculators (``"suffix+draft"``).
-        ``osd`` is the directory where method ``osd`` (online-distilled Medusa heads, started
-        from ``medusa``) keeps its adapted state.
+        ``num_draft_tokens`` is K, the most tokens drafted per step (a spec's ``k`` overrides
+        it). ``typical_acceptance`` switches sampled requests to Medusa's typical acceptance,
+        which is faster but LOSSY (statistics say so).
         """
-        spec = SpeculationConfig(
-            method=method,
-            num_draft_tokens=num_draft_tokens,
-            draft=draft,
-            prompt_lookup_max_ngram=prompt_lookup_max_ngram,
-            prompt_lookup_min_ngram=prompt_lookup_min_ngram,
-            medusa=medusa,
-            tree=tree,
-            lookahead=lookahead,
-            suffix_cache=suffix_cache,
-            self_draft=self_draft,
-            auto_arms=auto_arms,
-            osd=osd,
-            eagle=eagle,
-            eagle_tree=eagle_tree,
-        )
+        options = parse_spec(speculator)
+        k = options.k or num_draft_tokens
         loaded = (
             model if isinstance(model, LoadedModel) else load_model(model, gguf=gguf, dtype=dtype)
         )
-        speculator = build_speculator(loaded, spec)
-        return cls(
-            HFTarget(loaded),
-            loaded.tokenizer,
-            speculator,
-            num_draft_tokens=spec.num_draft_tokens,
-            loaded=loaded,
-            adaptive=adaptive,
-            acceptance_rule=TypicalAcceptanceRule() if typical_acceptance else None,
-        )
+        common: dict[str, Any] = {
+            "num_draft_tokens": k,
+            "loaded": loaded,
+            "adaptive": adaptive,
+            "acceptance_rule": TypicalAcceptanceRule() if typical_acceptance else None,
+        }
+        if isinstance(options, AutoOptions):
+            arms = build_arm_controller(loaded, options, k)
+            return cls(HFTarget(loaded), loaded.tokenizer, arms=arms, **common)
+        return cls(HFTarget(loaded), loaded.tokenizer, build_speculator(loaded, options), **common)
 
     @property
     def method(self) -> str:
-        return self.speculator.name
+        return "auto" if self.arms is not None else self.speculator.name
 
     @property
     def context_length(self) -> int:
@@ -240,27 +226,34 @@ class SpeculativeEngine:
         self, prompt_ids: list[int], config: GenerationConfig, speculate: bool
     ) -> Iterator[TokenEvent]:
         started = time.perf_counter()
+        greedy = config.sampling.greedy
         req = _Request(
             tokens=prompt_ids,
             prompt_len=len(prompt_ids),
             config=config,
-            speculator=self.speculator if speculate else self._plain,
+            plain=not speculate,
             rule=self.acceptance_rule or rule_for(config.sampling),
             generator=make_generator(config.sampling.seed),
             budget=self._budget_policy(config),
+            # sampled output depends on the drafts, so their sizing must not depend on timing
+            costs=self.cost_model if greedy else self._cost_prior,
             started=started,
         )
         req.stats.prompt_tokens = len(prompt_ids)
         req.stats.lossless = req.rule.lossless
-        req.speculator.reset()
+        if speculate:
+            for s in self.speculators:
+                s.reset()
+            if self.arms is not None:
+                self.arms.reset()
         self.target.begin(prompt_ids)
         req.stats.prefill_seconds = time.perf_counter() - started
         try:
             yield from self._loop(req)
         finally:
-            end_request = getattr(req.speculator, "end_request", None)
-            if end_request is not None:
-                end_request(list(req.tokens), req.prompt_len)
+            if speculate:
+                for s in self.speculators:
+                    s.end_request(list(req.tokens), req.prompt_len)
 
     def _loop(self, req: _Request) -> Iterator[TokenEvent]:
         config = req.config
@@ -296,8 +289,8 @@ class SpeculativeEngine:
                 return
 
     def _budget_policy(self, config: GenerationConfig) -> AdaptiveBudget | FixedBudget | NodeBudget:
-        if self.speculator.drafts_trees:
-            return NodeBudget()  # a tree speculator sizes its own tree
+        if self.arms is not None or self.speculator.drafts_trees:
+            return NodeBudget()  # the arm controller, or a tree speculator, sizes the draft
         if not self.adaptive:
             return FixedBudget(self.num_draft_tokens)
         # Sampled output depends on the drafts, so its budget must not depend on timing.
@@ -305,18 +298,15 @@ class SpeculativeEngine:
         return AdaptiveBudget(self.num_draft_tokens, costs)
 
     def step(self, req: _Request) -> Acceptance:
-        """One speculative step: draft, verify in one pass, accept, commit, observe."""
+        """One speculative step: the controller drafts (choosing the speculator and the size),
+        the target verifies in one pass, the rule accepts, the cache commits, the drafter
+        observes."""
         root = req.tokens[-1]
         room = self.context_length - len(req.tokens)
-        plain = req.speculator is self._plain
-        budget = 0 if plain else req.budget.choose(req.remaining, room)
+        budget = 0 if req.plain else req.budget.choose(req.remaining, room)
         t0 = time.perf_counter()
         if budget > 0:
-            features = self.target.features if req.speculator.needs_hidden_states else None
-            context = DraftContext(
-                req.tokens, req.prompt_len, req.config.sampling, req.generator, features
-            )
-            tree = req.speculator.propose(context, budget)
+            tree = self._draft(req, budget)
         else:
             tree = DraftTree.root_only(root)
         t1 = time.perf_counter()
@@ -324,17 +314,31 @@ class SpeculativeEngine:
         acceptance = req.rule.accept(tree, logits, req.config.sampling, req.generator)
         self.target.commit(acceptance.path)
         t2 = time.perf_counter()
-        req.speculator.observe(Feedback(tree, acceptance, logits))
+        feedback = Feedback(tree, acceptance, logits)
+        if self.arms is not None and not req.plain:
+            self.arms.observe(feedback)
+            req.stats.record_choice((self.arms.last_choice or "none") if budget > 0 else "none")
+        elif not req.plain:
+            self.speculator.observe(feedback)
         req.stats.draft_seconds += t1 - t0
         req.stats.verify_seconds += t2 - t1
         depth = max(tree.depths)
         req.stats.record_step(depth, acceptance.num_accepted)
-        if hasattr(req.speculator, "last_choice"):  # a controller chose the drafter (auto)
-            req.stats.record_choice(req.speculator.last_choice if budget > 0 else "none")
         self.cost_model.observe(len(tree), t2 - t1, tree=not tree.is_chain)
         self.cost_model.observe_draft(tree.num_drafted, t1 - t0)
         req.budget.observe(depth, acceptance.num_accepted)
         return acceptance
+
+    def _draft(self, req: _Request, budget: int) -> DraftTree:
+        """This step's draft from the controller over several speculators, or the one."""
+        reads = any(s.needs_hidden_states for s in self.speculators)
+        features = self.target.features if reads else None
+        context = DraftContext(
+            req.tokens, req.prompt_len, req.config.sampling, req.generator, features, req.costs
+        )
+        if self.arms is not None:
+            return self.arms.draft(context, budget)
+        return self.speculator.propose(context, budget)
 
     def generate(self, prompt: Prompt, **kwargs: Any) -> GenerationResult:
         """Run :meth:`stream` to the end; same keyword arguments."""

@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from specdec.speculators.base import DraftContext, Feedback
+from specdec.speculators.base import DraftContext, Feedback, Speculator
 from specdec.target import LoadedModel
 from specdec.tree import DraftTree
 from specdec.verify import probs_from_logits, sample
@@ -34,6 +34,8 @@ def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
 
 class MarkovTarget:
     """p(next | context) = softmax(table[last token]).  ``table``: [V, V] logits."""
+
+    provides_features: ClassVar[bool] = False
 
     def __init__(self, table: torch.Tensor, context_length: int = 4096) -> None:
         self.table = table
@@ -54,18 +56,19 @@ class MarkovTarget:
     def commit(self, path: Sequence[int]) -> None:
         pass
 
+    def enable_features(self, layers: Sequence[int] = (-1,)) -> None:
+        raise NotImplementedError("a Markov table target has no hidden states")
+
     @property
     def features(self) -> torch.Tensor | None:
         return None
 
 
-class MarkovSpeculator:
+class MarkovSpeculator(Speculator):
     """Drafts a chain by sampling q(next | last) = softmax(table[last]) shaped like p."""
 
     name: ClassVar[str] = "markov"
     produces_q: ClassVar[bool] = True
-    needs_hidden_states: ClassVar[bool] = False
-    drafts_trees: ClassVar[bool] = False
 
     def __init__(self, table: torch.Tensor) -> None:
         self.table = table
@@ -90,13 +93,10 @@ class MarkovSpeculator:
         pass
 
 
-class ScriptedSpeculator:
+class ScriptedSpeculator(Speculator):
     """Proposes fixed continuations: ``script[len(context)]`` is the chain drafted there."""
 
     name: ClassVar[str] = "scripted"
-    produces_q: ClassVar[bool] = False
-    needs_hidden_states: ClassVar[bool] = False
-    drafts_trees: ClassVar[bool] = False
 
     def __init__(self, script: dict[int, list[int]]) -> None:
         self.script = script
@@ -104,12 +104,6 @@ class ScriptedSpeculator:
     def propose(self, context: DraftContext, budget: int) -> DraftTree:
         drafts = self.script.get(len(context.tokens), [])[:budget]
         return DraftTree.chain(context.tokens[-1], drafts)
-
-    def observe(self, feedback: Feedback) -> None:
-        pass
-
-    def reset(self) -> None:
-        pass
 
 
 def model_fingerprint(loaded: LoadedModel, modules: bool = False) -> str:

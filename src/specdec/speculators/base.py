@@ -1,15 +1,22 @@
-"""The Speculator protocol, the value objects across its seam, and the name registry."""
+"""The Speculator base class (every hook the engine may call, declared), and the value objects
+across its seam. Names and options live in :mod:`specdec.speculators.spec`."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from specdec.config import SamplingConfig, SpeculationConfig
+from specdec.config import SamplingConfig
+from specdec.control.budget import CostModel
 from specdec.errors import UnknownSpeculatorError
+from specdec.speculators.spec import (
+    SpeculatorOptions,
+    parse_spec,
+    registration,
+    speculator_name,
+)
 from specdec.tree import DraftTree
 from specdec.verify import Acceptance
 
@@ -23,13 +30,26 @@ class DraftContext:
     where the prompt ends, the request's sampling settings and private RNG, and (for
     speculators that declare ``needs_hidden_states``) the target's hidden states (final, or the
     speculator's ``feature_layers`` concatenated) at the positions that produced the tokens
-    committed last; the last row produced the root."""
+    committed last; the last row produced the root. ``costs`` prices verification for tree
+    speculators that size their own trees: the engine's measured cost model for greedy requests,
+    its frozen prior for sampled ones (whose output must not depend on timing)."""
 
     tokens: list[int]
     prompt_len: int
     sampling: SamplingConfig
     generator: torch.Generator
     features: torch.Tensor | None = None  # [M, H]
+    costs: CostModel | None = None
+
+    def tree_cost(self, nodes: int) -> float:
+        """Verification cost of a tree of ``nodes`` nodes (root included) in plain steps.
+
+        >>> from specdec.config import SamplingConfig
+        >>> DraftContext([1], 1, SamplingConfig(), torch.Generator()).tree_cost(11)
+        1.6
+        """
+        costs = self.costs or _PRIOR
+        return costs.ratio(nodes, tree=True)
 
 
 @dataclass(frozen=True)
@@ -43,62 +63,62 @@ class Feedback:
     logits: torch.Tensor | None = None  # [N, V]
 
 
-class Speculator(Protocol):
+_PRIOR = CostModel.prior()
+
+
+class Speculator:
     """Proposes a :class:`DraftTree` of at most ``budget`` drafted tokens per step.
 
-    Class attributes declare capabilities: ``produces_q`` (drafts carry q for lossless sampling;
-    otherwise they are deterministic, q = one-hot), ``needs_hidden_states`` (optionally with
-    ``feature_layers``, the target hidden-state indices it reads, concatenated; default the
-    final normed state ``(-1,)``), and
-    ``drafts_trees`` (the budget counts tree nodes and is fixed at K, instead of a chain length
-    the adaptive budget chooses per step).
+    Subclass it and override :meth:`propose`; every other hook the engine (or the controller
+    choosing among several speculators) may call is declared here with a no-op default, so
+    nothing is discovered by probing. Class attributes declare capabilities:
 
-    A speculator that learns across requests may also define
-    ``end_request(tokens: list[int], prompt_len: int) -> None``; the engine calls it once when a
-    request ends (finished, stopped or abandoned) with its prompt and committed output.
-
-    A speculator that chooses among others (``auto``) may define ``bind_cost_model(costs)``,
-    called once with the engine's :class:`~specdec.control.CostModel`, and ``last_choice``,
-    the name of the speculator that drafted the last proposal (recorded in the statistics).
+    * ``produces_q``: drafts carry q for lossless sampling (otherwise they are deterministic,
+      q = one-hot);
+    * ``needs_hidden_states``: the context carries the target's hidden states at
+      ``feature_layers`` (concatenated; default the final normed state ``(-1,)``);
+    * ``drafts_trees``: the budget counts tree nodes and is fixed at K (the speculator sizes
+      its own tree, from ``context.costs``), instead of a chain length the adaptive budget
+      chooses per step;
+    * ``drafts_by_model``: drafting runs a model and costs real time, so a controller decides
+      before asking for a draft (the others propose first and are priced on their draft);
+    * ``watches``: :meth:`watch` wants every step's committed tokens (and states), including
+      steps another speculator drafted; ``watch_batches``: it may take many steps in one call.
     """
 
-    name: ClassVar[str]
-    produces_q: ClassVar[bool]
-    needs_hidden_states: ClassVar[bool]
-    drafts_trees: ClassVar[bool]
+    name: ClassVar[str] = ""
+    produces_q: ClassVar[bool] = False
+    needs_hidden_states: ClassVar[bool] = False
+    drafts_trees: ClassVar[bool] = False
+    drafts_by_model: ClassVar[bool] = False
+    watches: ClassVar[bool] = False
+    watch_batches: ClassVar[bool] = False
+    feature_layers: tuple[int, ...] = (-1,)
 
-    def propose(self, context: DraftContext, budget: int) -> DraftTree: ...
+    def propose(self, context: DraftContext, budget: int) -> DraftTree:
+        raise NotImplementedError(f"{type(self).__name__} must implement propose()")
 
-    def observe(self, feedback: Feedback) -> None: ...
+    def observe(self, feedback: Feedback) -> None:
+        """What verification made of this speculator's last proposal."""
 
-    def reset(self) -> None: ...
+    def reset(self) -> None:
+        """A new request starts (per-request state goes; what is learnt across requests stays)."""
 
+    def end_request(self, tokens: list[int], prompt_len: int) -> None:
+        """A request ended (finished, stopped or abandoned) with these prompt + output tokens;
+        for speculators that learn across requests."""
 
-SpeculatorFactory = Callable[["LoadedModel", SpeculationConfig], Speculator]
-_REGISTRY: dict[str, SpeculatorFactory] = {}
-
-F = TypeVar("F", bound=SpeculatorFactory)
-
-
-def register(name: str) -> Callable[[F], F]:
-    """Register a factory ``(target, config) -> Speculator`` under ``name``."""
-
-    def deco(factory: F) -> F:
-        _REGISTRY[name] = factory
-        return factory
-
-    return deco
+    def watch(self, context: DraftContext) -> None:
+        """A step's committed context when another speculator drafts (see ``watches``)."""
 
 
-def available() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-def build_speculator(target: LoadedModel, config: SpeculationConfig) -> Speculator:
-    try:
-        factory = _REGISTRY[config.method]
-    except KeyError:
+def build_speculator(target: LoadedModel, options: SpeculatorOptions | str) -> Speculator:
+    """The speculator ``options`` (an options object or a spec string) names, over ``target``."""
+    options = parse_spec(options)
+    reg = registration(speculator_name(options))
+    if reg.factory is None:
         raise UnknownSpeculatorError(
-            f"unknown method {config.method!r}; available: {', '.join(available())}"
-        ) from None
-    return factory(target, config)
+            f"{reg.name!r} chooses among speculators and is built by the engine, not as one "
+            "speculator; pass it to SpeculativeEngine.from_pretrained(speculator=...)"
+        )
+    return reg.factory(target, options)

@@ -11,24 +11,42 @@ longest common prefix, so rejected drafts are rolled back without any bookkeepin
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from specdec.cache import common_prefix_len
-from specdec.config import SpeculationConfig
 from specdec.errors import ConfigError, VocabularyMismatchError
-from specdec.speculators.base import DraftContext, Feedback, register
+from specdec.speculators.base import DraftContext, Speculator
+from specdec.speculators.spec import SpeculatorOptions, option, register
 from specdec.target import LoadedModel, ModelRunner, early_exit_model, load_model
 from specdec.tree import DraftTree
 from specdec.verify import probs_from_logits, sample
 
 
-class DraftModelSpeculator:
+@dataclass(frozen=True, kw_only=True)
+class DraftOptions(SpeculatorOptions):
+    primary = "model"
+    model: str = option(
+        help="draft model directory (same vocabulary), or layers:N (the target's first N layers)"
+    )
+    min_confidence: float = option(
+        0.0, help="stop a draft after a token whose draft probability is below this"
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 <= self.min_confidence < 1.0:
+            raise ConfigError(f"draft: min_confidence must be in [0, 1), got {self.min_confidence}")
+        if self.model.startswith("layers:") and not self.model[7:].isdigit():
+            raise ConfigError(f"draft: model={self.model!r}: expected layers:N with N an integer")
+
+
+class DraftModelSpeculator(Speculator):
     name: ClassVar[str] = "draft"
     produces_q: ClassVar[bool] = True
-    needs_hidden_states: ClassVar[bool] = False
-    drafts_trees: ClassVar[bool] = False
+    drafts_by_model: ClassVar[bool] = True
 
     def __init__(
         self, runner: ModelRunner, description: str = "draft model", min_confidence: float = 0.0
@@ -78,9 +96,6 @@ class DraftModelSpeculator:
             return True
         return float(torch.softmax(logits.float(), -1).max()) >= self.min_confidence
 
-    def observe(self, feedback: Feedback) -> None:
-        pass
-
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
     """A draft whose token ids mean other strings would be verified against the wrong text."""
@@ -100,19 +115,17 @@ def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
         )
 
 
-@register("draft")
-def _build(target: LoadedModel, config: SpeculationConfig) -> DraftModelSpeculator:
-    spec = config.draft
-    if not spec:
-        raise ConfigError("method 'draft' needs a draft: a model directory or layers:N")
+@register("draft", DraftOptions)
+def _build(target: LoadedModel, options: DraftOptions) -> DraftModelSpeculator:
+    """a smaller model of the same vocabulary drafts a chain over its own KV cache"""
+    spec = options.model
     if spec.startswith("layers:"):
-        try:
-            n = int(spec.split(":", 1)[1])
-        except ValueError:
-            raise ConfigError(f"bad draft {spec!r}: expected layers:N with N an integer") from None
+        n = int(spec.split(":", 1)[1])
         model = early_exit_model(target.model, n)
-        return DraftModelSpeculator(ModelRunner(model), f"first {n} layers of the target")
+        return DraftModelSpeculator(
+            ModelRunner(model), f"first {n} layers of the target", options.min_confidence
+        )
     draft = load_model(spec, dtype=target.dtype_name)
     check_same_vocabulary(target, draft)
     runner = ModelRunner(draft.model)
-    return DraftModelSpeculator(runner, f"draft model {draft.source}")
+    return DraftModelSpeculator(runner, f"draft model {draft.source}", options.min_confidence)

@@ -13,7 +13,8 @@ along (draft-predicted features never stay in the cache). Then it grows a tree f
 
 How many nodes to keep is priced rather than fixed: expected tokens per step ≈ 1 + Σ p(node)
 over the kept nodes (p = exp(cumulative log-probability), the chance its whole path is
-accepted), and verifying n nodes costs ``1 + cost_slope · n`` decode steps on this hardware,
+accepted), and verifying n nodes costs T(n + 1) / T(1) decode steps as the engine's cost model
+measures them on this hardware (``context.costs``),
 so the tree keeps the n that maximises their ratio, up to ``total_tokens``; none when no tree
 pays. The choice depends only on the drafter's scores, never on timing, so sampled output
 stays reproducible.
@@ -31,16 +32,12 @@ from typing import ClassVar
 
 import torch
 
-from specdec.config import SpeculationConfig
 from specdec.errors import ConfigError
 from specdec.heads.eagle import EagleHead, extend_kv, for_inference
-from specdec.speculators.base import DraftContext, Feedback, register
-from specdec.speculators.medusa import TREE_COST_SLOPE
+from specdec.speculators.base import DraftContext, Speculator
+from specdec.speculators.spec import SpeculatorOptions, option, register
 from specdec.target import LoadedModel
 from specdec.tree import DraftTree
-
-# the measured T(n)/T(1) slope that Medusa's tree sizing uses too
-DEFAULT_COST_SLOPE = TREE_COST_SLOPE
 
 
 @dataclass(frozen=True)
@@ -51,7 +48,6 @@ class EagleTree:
     depth: int = 5
     top_k: int = 4
     total_tokens: int = 24
-    cost_slope: float = DEFAULT_COST_SLOPE
 
     def __post_init__(self) -> None:
         if self.depth < 1 or self.top_k < 1 or self.total_tokens < 1:
@@ -59,8 +55,6 @@ class EagleTree:
                 f"EAGLE tree needs depth, top-k and total tokens >= 1, got {self.depth}, "
                 f"{self.top_k}, {self.total_tokens}"
             )
-        if self.cost_slope < 0:
-            raise ConfigError(f"cost slope must be >= 0, got {self.cost_slope}")
 
     @classmethod
     def parse(cls, spec: str | None, depth: int | None = None) -> EagleTree:
@@ -69,7 +63,7 @@ class EagleTree:
         with the checkpoint's own ``depth``.
 
         >>> EagleTree.parse("6x8x60")
-        EagleTree(depth=6, top_k=8, total_tokens=60, cost_slope=0.04)
+        EagleTree(depth=6, top_k=8, total_tokens=60)
         >>> EagleTree.parse(None, depth=3).depth
         3
         """
@@ -78,7 +72,7 @@ class EagleTree:
         text = spec.replace(" ", "").replace("x", ",")
         if not re.fullmatch(r"\d+(,\d+){0,2}", text):
             raise ConfigError(
-                f"--eagle-tree must be DEPTH[,TOPK[,TOTAL]] (e.g. 5,4,24), got {spec!r}"
+                f"eagle tree must be DEPTH[xTOPK[xTOTAL]] (e.g. 5x4x24), got {spec!r}"
             )
         values = [int(v) for v in text.split(",")]
         return cls(*values)  # type: ignore[arg-type]
@@ -93,11 +87,29 @@ class _Node:
     state: torch.Tensor  # [H] the drafter state that predicted this token (its input state)
 
 
-class EagleSpeculator:
+@dataclass(frozen=True, kw_only=True)
+class EagleOptions(SpeculatorOptions):
+    primary = "dir"
+    dir: str = option(
+        help="drafter directory (`specdec train eagle`, speculators or EAGLE authors' layout)"
+    )
+    tree: str | None = option(
+        None,
+        help="DEPTHxTOPKxTOTAL of EAGLE-2's dynamic tree (default: 5x4x24, the "
+        "checkpoint's depth); the kept node count is sized per step against verification cost",
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        EagleTree.parse(self.tree)  # a bad tree fails here, before the drafter loads
+
+
+class EagleSpeculator(Speculator):
     name: ClassVar[str] = "eagle"
-    produces_q: ClassVar[bool] = False
     needs_hidden_states: ClassVar[bool] = True
     drafts_trees: ClassVar[bool] = True
+    drafts_by_model: ClassVar[bool] = True
+    watches: ClassVar[bool] = True
     # watch() only extends the drafter's cache, and absorb() takes many steps' rows in one
     # pass: ``auto`` may defer it until this speculator drafts
     watch_batches: ClassVar[bool] = True
@@ -116,9 +128,6 @@ class EagleSpeculator:
     @property
     def cached(self) -> int:
         return 0 if self._past is None else int(self._past[0].shape[2])
-
-    def observe(self, feedback: Feedback) -> None:
-        pass
 
     @torch.inference_mode()
     def absorb(self, context: DraftContext) -> torch.Tensor | None:
@@ -159,8 +168,11 @@ class EagleSpeculator:
         h_root = self.absorb(context)
         if h_root is None or budget < 1:
             return DraftTree.root_only(root)
-        nodes = self._expand(h_root, root_pos=len(context.tokens) - 1)
-        keep = self._select(nodes, min(budget, self.tree.total_tokens))
+        cap = min(budget, self.tree.total_tokens)
+        # the average price of a node in a full tree: deeper nodes less likely than this stop
+        slope = (context.tree_cost(cap + 1) - 1.0) / cap
+        nodes = self._expand(h_root, root_pos=len(context.tokens) - 1, slope=slope)
+        keep = self._select(nodes, cap, context)
         return _to_tree(root, nodes, keep)
 
     def _children(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,7 +181,7 @@ class EagleSpeculator:
         values, ids = logp.topk(min(self.tree.top_k, logp.shape[-1]), dim=-1)
         return values, self.head.to_target_ids(ids)
 
-    def _expand(self, h_root: torch.Tensor, root_pos: int) -> list[_Node]:
+    def _expand(self, h_root: torch.Tensor, root_pos: int, slope: float) -> list[_Node]:
         k = self.tree.top_k
         values, ids = self._children(h_root[None])
         nodes = [
@@ -197,7 +209,7 @@ class EagleSpeculator:
                     nodes.append(_Node(int(t), i, base + v, depth, out[0, j]))
             candidates = range(start, len(nodes))
             frontier = sorted(candidates, key=lambda c: nodes[c].score, reverse=True)[:k]
-            if math.exp(nodes[frontier[0]].score) < self.tree.cost_slope:
+            if math.exp(nodes[frontier[0]].score) < slope:
                 break  # no deeper node can pay for its verification: stop drafting
         return nodes
 
@@ -217,14 +229,13 @@ class EagleSpeculator:
                 a = nodes[a].parent
         return mask[None]
 
-    def _select(self, nodes: list[_Node], cap: int) -> list[int]:
+    def _select(self, nodes: list[_Node], cap: int, context: DraftContext) -> list[int]:
         """The ancestor-closed set of at most ``cap`` nodes that maximises expected tokens per
         unit of verification cost (empty when drafting does not pay)."""
         order = sorted(range(len(nodes)), key=lambda i: nodes[i].score, reverse=True)
         chosen: list[int] = []
         seen: set[int] = set()
         gain, best_rate, best_n = 0.0, 1.0, 0
-        slope = self.tree.cost_slope
         for i in order:
             path = []
             a = i
@@ -237,7 +248,7 @@ class EagleSpeculator:
                 seen.add(a)
                 chosen.append(a)
                 gain += math.exp(nodes[a].score)
-            rate = (1.0 + gain) / (1.0 + slope * len(chosen))
+            rate = (1.0 + gain) / context.tree_cost(1 + len(chosen))
             if rate > best_rate:
                 best_rate, best_n = rate, len(chosen)
         return chosen[:best_n]
@@ -251,15 +262,11 @@ def _to_tree(root: int, nodes: list[_Node], keep: list[int]) -> DraftTree:
     return DraftTree(tokens=tuple(tokens), parents=tuple(parents))
 
 
-@register("eagle")
-def _build(target: LoadedModel, config: SpeculationConfig) -> EagleSpeculator:
-    if not config.eagle:
-        raise ConfigError(
-            "method 'eagle' needs --eagle DIR (a drafter from `specdec train eagle`, or an "
-            "EAGLE / speculators checkpoint for this model)"
-        )
+@register("eagle", EagleOptions)
+def _build(target: LoadedModel, options: EagleOptions) -> EagleSpeculator:
+    """EAGLE-1/3 drafter over the target's features, EAGLE-2 dynamic trees"""
     from specdec.heads.eagle_io import load_eagle
 
-    head = load_eagle(config.eagle, target)
-    tree = EagleTree.parse(config.eagle_tree, head.config.speculative_tokens)
+    head = load_eagle(options.dir, target)
+    tree = EagleTree.parse(options.tree, head.config.speculative_tokens)
     return EagleSpeculator(head, tree)

@@ -29,33 +29,33 @@ with ``--lookahead`` there.
 from __future__ import annotations
 
 import random
-import re
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from specdec.config import SpeculationConfig
 from specdec.errors import ConfigError
-from specdec.speculators.base import DraftContext, Feedback, register
+from specdec.speculators.base import DraftContext, Feedback, Speculator
+from specdec.speculators.spec import SpeculatorOptions, option, register
 from specdec.target import LoadedModel
 from specdec.tree import DraftTree
 
 
-@dataclass(frozen=True)
-class LookaheadConfig:
+@dataclass(frozen=True, kw_only=True)
+class LookaheadConfig(SpeculatorOptions):
     """``window`` W columns, ``ngram`` N (n-grams of N tokens, N - 1 Jacobi levels), ``guesses``
     G pool candidates verified per step, ``pool_per_key`` most recent n-grams kept per first
     token, ``context_ngrams``: also pool the request's own n-grams (prompt and output), which
     turns repeated text into free candidates as prompt lookup does."""
 
-    window: int = 1
-    ngram: int = 3
-    guesses: int = 4
-    pool_per_key: int = 8
-    context_ngrams: bool = True
+    window: int = option(1, help="W: Jacobi window columns")
+    ngram: int = option(3, help="N: n-gram size (N - 1 Jacobi levels)")
+    guesses: int = option(4, help="G: pool n-grams verified per step")
+    pool_per_key: int = option(8, help="most recent n-grams kept per first token")
+    context_ngrams: bool = option(True, help="also pool the request's own n-grams")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.window < 1:
             raise ConfigError(f"lookahead window W must be >= 1, got {self.window}")
         if self.ngram < 2:
@@ -63,23 +63,10 @@ class LookaheadConfig:
         if self.guesses < 0:
             raise ConfigError(f"lookahead guesses G must be >= 0, got {self.guesses}")
         if self.pool_per_key < max(1, self.guesses):
-            raise ConfigError("lookahead pool_per_key must be >= max(1, G)")
-
-    @classmethod
-    def parse(cls, text: str | None) -> LookaheadConfig:
-        """``"W,N,G"`` (e.g. ``"5,4,5"``, or ``"5x4x5"`` where commas separate list items);
-        ``None`` or ``""`` gives the defaults.
-
-        >>> LookaheadConfig.parse("5,4,3")
-        LookaheadConfig(window=5, ngram=4, guesses=3, pool_per_key=8, context_ngrams=True)
-        """
-        if not text:
-            return cls()
-        m = re.fullmatch(r"\s*(\d+)\s*[,x]\s*(\d+)\s*[,x]\s*(\d+)\s*", text)
-        if m is None:
-            raise ConfigError(f"bad lookahead setting {text!r}: expected W,N,G such as 4,3,4")
-        w, n, g = (int(x) for x in m.groups())
-        return cls(window=w, ngram=n, guesses=g, pool_per_key=max(8, g))
+            raise ConfigError(
+                f"lookahead pool_per_key must be >= max(1, G) = {max(1, self.guesses)}; "
+                "raise pool_per_key with guesses"
+            )
 
 
 class NgramPool:
@@ -192,12 +179,10 @@ def build_lookahead_tree(
     return LookaheadTree(DraftTree(tuple(tokens), tuple(parents)), window_nodes)
 
 
-class LookaheadSpeculator:
+class LookaheadSpeculator(Speculator):
     """Jacobi window + n-gram pool, per request (reset() starts a new one)."""
 
     name: ClassVar[str] = "lookahead"
-    produces_q: ClassVar[bool] = False
-    needs_hidden_states: ClassVar[bool] = False
     drafts_trees: ClassVar[bool] = True
 
     def __init__(self, config: LookaheadConfig | None = None) -> None:
@@ -255,6 +240,7 @@ class LookaheadSpeculator:
             self.pool.add(gram, first[j - 1] if j else None)
 
 
-@register("lookahead")
-def _build(target: LoadedModel, config: SpeculationConfig) -> LookaheadSpeculator:
-    return LookaheadSpeculator(LookaheadConfig.parse(config.lookahead))
+@register("lookahead", LookaheadConfig)
+def _build(target: LoadedModel, options: LookaheadConfig) -> LookaheadSpeculator:
+    """Jacobi iteration and n-gram verification in one pass (training-free)"""
+    return LookaheadSpeculator(options)

@@ -45,17 +45,18 @@ from typing import ClassVar
 
 import torch
 
-from specdec.config import SpeculationConfig
 from specdec.errors import CheckpointError, ConfigError
 from specdec.heads.medusa import IGNORE, MedusaHeads, load_medusa
-from specdec.speculators.base import DraftContext, Feedback, register
+from specdec.speculators.base import DraftContext, Speculator
 from specdec.speculators.medusa import (
     MedusaSpeculator,
     Sizer,
     check_heads_fit,
     resolve_topology,
+    sized_per_step,
     topology_sizer,
 )
+from specdec.speculators.spec import SpeculatorOptions, option, register
 from specdec.target import LoadedModel
 from specdec.tree import DraftTree
 from specdec.tree.topology import Topology, generic_profile
@@ -119,6 +120,11 @@ class OnlineTrainer:
         for p in self._shadow.parameters():
             p.requires_grad_(True)
         self._opt = torch.optim.AdamW(self._shadow.parameters(), lr=config.lr, weight_decay=0.0)
+        # the offline trainers' schedule family: Adam's first steps move every weight by ~lr,
+        # so ease them in, then hold the rate (online training has no end to decay towards)
+        from specdec.heads.optim import Schedule
+
+        self._schedule = Schedule(config.warmup, "constant")
         k = heads.config.num_heads
         self.num_heads = k
         self._weights = torch.tensor([config.head_decay**i for i in range(k)])  # [K]
@@ -174,6 +180,8 @@ class OnlineTrainer:
     def train_round(self) -> bool:
         """Run ``steps_per_round`` optimiser steps if enough new traffic arrived; publishes as
         configured. Returns whether it trained. (The thread calls it; tests may too.)"""
+        from specdec.heads.optim import optimizer_step  # the offline trainers' step, too
+
         cfg = self.config
         with self._lock:
             if len(self._buffer) < cfg.min_examples or self._new < cfg.batch:
@@ -186,14 +194,10 @@ class OnlineTrainer:
             batch = self._rng.sample(pool, min(cfg.batch, len(pool)))
             h = torch.stack([b[0] for b in batch]).float()  # [B, H]
             y = torch.stack([b[1] for b in batch])  # [B, K]
-            if cfg.warmup:  # Adam's first steps move every weight by ~lr: ease them in
-                for group in self._opt.param_groups:
-                    group["lr"] = cfg.lr * min(1.0, (self.steps + 1) / cfg.warmup)
+            lr = cfg.lr * self._schedule.factor(self.steps)
             with torch.enable_grad():
                 loss = self._shadow.loss(h, y, self._weights)
-                self._opt.zero_grad(set_to_none=True)
-                loss.backward()
-                self._opt.step()
+                optimizer_step(self._opt, loss, lr)
             self.last_loss = float(loss.detach())
             self.steps += 1
             if self.steps % cfg.publish_every == 0:
@@ -246,13 +250,13 @@ def _frozen_copy(heads: MedusaHeads) -> MedusaHeads:
     return out
 
 
-class OnlineMedusaSpeculator:
+class OnlineMedusaSpeculator(Speculator):
     """Medusa drafting from heads that a background thread keeps distilling (module doc)."""
 
     name: ClassVar[str] = "osd"
-    produces_q: ClassVar[bool] = False
     needs_hidden_states: ClassVar[bool] = True
     drafts_trees: ClassVar[bool] = True
+    watches: ClassVar[bool] = True  # every committed step is a training example
 
     def __init__(
         self,
@@ -263,11 +267,15 @@ class OnlineMedusaSpeculator:
         state_dir: str | os.PathLike[str] | None = None,
         background: bool = True,
         sizer: Sizer | None = None,
+        sized: bool = False,
     ) -> None:
         """``topology``: the tree until the first publication, and always when ``sizer`` is None;
-        ``sizer``: rebuilds the tree from measured accuracies at each publication."""
+        ``sizer``: rebuilds the tree from measured accuracies at each publication; ``sized``:
+        each step drafts the prefix of the current tree that pays at the context's costs."""
         self.trainer = OnlineTrainer(heads, config or OnlineConfig(), sizer)
         self.topology = topology
+        self.sized = sized
+        self._drafter: tuple[int, MedusaSpeculator] | None = None  # per published version
         self.state_dir = None if state_dir is None else Path(state_dir)
         self.background = background
         self._pending: list[tuple[int, torch.Tensor]] = []  # (position, hidden [H]) awaiting labels
@@ -330,16 +338,21 @@ class OnlineMedusaSpeculator:
         snapshot = self.trainer.published  # read once: one set of weights for the whole step
         self.versions_used.append(snapshot.version)
         del self.versions_used[:-1024]
-        topology = snapshot.topology or self.topology
-        return MedusaSpeculator(snapshot.heads, topology).propose(context, budget)
+        return self._drafter_for(snapshot).propose(context, budget)
+
+    def _drafter_for(self, snapshot: Published) -> MedusaSpeculator:
+        if self._drafter is None or self._drafter[0] != snapshot.version:
+            topology = snapshot.topology or self.topology
+            self._drafter = (
+                snapshot.version,
+                MedusaSpeculator(snapshot.heads, topology, sized=self.sized),
+            )
+        return self._drafter[1]
 
     @property
     def current_topology(self) -> Topology:
-        """The tree the next proposal drafts with."""
-        return self.trainer.published.topology or self.topology
-
-    def observe(self, feedback: Feedback) -> None:
-        pass  # examples come from the committed tokens and states (watch), not from drafts
+        """The tree the next proposal drafts with (at the prior costs when sized per step)."""
+        return self._drafter_for(self.trainer.published).current_topology()
 
     # -- state ------------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -361,31 +374,51 @@ class OnlineMedusaSpeculator:
         self.trainer.stop()
 
 
-def initial_heads(config: SpeculationConfig, target: LoadedModel) -> MedusaHeads:
-    """A saved adapted state (``config.osd``) when there is one, else the static heads."""
-    state = Path(config.osd) if config.osd else None
+@dataclass(frozen=True, kw_only=True)
+class OsdOptions(SpeculatorOptions):
+    primary = "heads"
+    heads: str | None = option(None, help="trained Medusa heads to start from")
+    state: str | None = option(
+        None, help="directory the adapted heads are kept in (and restarted from)"
+    )
+    tree: str | None = option(None, help="tree topology, as medusa's tree option")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.heads is None and self.state is None:
+            raise ConfigError(
+                "osd starts from trained Medusa heads: write osd:heads=DIR (and state=DIR to "
+                "keep the adapted heads across restarts)"
+            )
+
+
+def initial_heads(options: OsdOptions, target: LoadedModel) -> MedusaHeads:
+    """A saved adapted state (``options.state``) when there is one, else the static heads."""
+    state = Path(options.state) if options.state else None
     if state is not None and state.is_dir():
         heads = load_medusa(state)
-    elif config.medusa:
-        heads = load_medusa(config.medusa)
+    elif options.heads:
+        heads = load_medusa(options.heads)
     else:
         raise ConfigError(
-            "method osd starts from trained Medusa heads: pass --medusa DIR (and --osd DIR to "
-            "keep the adapted state across restarts)"
+            f"osd: the state directory {state} does not exist yet and no heads=DIR was given to "
+            "start from"
         )
     try:
         check_heads_fit(heads, target)
     except CheckpointError as e:
-        raise CheckpointError(f"{e} (online heads {state or config.medusa})") from None
+        raise CheckpointError(f"{e} (online heads {state or options.heads})") from None
     return heads
 
 
-@register("osd")
-def _build(target: LoadedModel, config: SpeculationConfig) -> OnlineMedusaSpeculator:
-    heads = initial_heads(config, target)
+@register("osd", OsdOptions)
+def _build(target: LoadedModel, options: OsdOptions) -> OnlineMedusaSpeculator:
+    """online distillation: Medusa heads that keep learning from the traffic served"""
+    heads = initial_heads(options, target)
     return OnlineMedusaSpeculator(
         heads,
-        resolve_topology(config.tree, heads),
-        state_dir=config.osd,
-        sizer=topology_sizer(config.tree),
+        resolve_topology(options.tree, heads),
+        state_dir=options.state,
+        sizer=topology_sizer(options.tree),
+        sized=sized_per_step(options.tree),
     )

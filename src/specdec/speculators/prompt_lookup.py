@@ -7,19 +7,32 @@ nothing beyond the plain decoding step it becomes.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar
 
-from specdec.config import SpeculationConfig
-from specdec.speculators.base import DraftContext, Feedback, register
+from specdec.errors import ConfigError
+from specdec.speculators.base import DraftContext, Speculator
+from specdec.speculators.spec import SpeculatorOptions, option, register
 from specdec.target import LoadedModel
 from specdec.tree import DraftTree
 
 
-class PromptLookupSpeculator:
+@dataclass(frozen=True, kw_only=True)
+class PromptLookupOptions(SpeculatorOptions):
+    max_ngram: int = option(3, help="longest n-gram of the latest tokens looked up")
+    min_ngram: int = option(2, help="shortest n-gram tried when longer ones find no match")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ConfigError(
+                "prompt-lookup n-gram sizes must satisfy 1 <= min_ngram <= max_ngram, got "
+                f"min_ngram={self.min_ngram} max_ngram={self.max_ngram}"
+            )
+
+
+class PromptLookupSpeculator(Speculator):
     name: ClassVar[str] = "prompt-lookup"
-    produces_q: ClassVar[bool] = False
-    needs_hidden_states: ClassVar[bool] = False
-    drafts_trees: ClassVar[bool] = False
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 2) -> None:
         self.sizes = list(range(max_ngram, min_ngram - 1, -1))
@@ -61,10 +74,8 @@ class PromptLookupSpeculator:
                     return DraftTree.chain(tokens[-1], drafts)
         return DraftTree.root_only(tokens[-1])
 
-    def observe(self, feedback: Feedback) -> None:
-        pass
 
-
-@register("prompt-lookup")
-def _build(target: LoadedModel, config: SpeculationConfig) -> PromptLookupSpeculator:
-    return PromptLookupSpeculator(config.prompt_lookup_max_ngram, config.prompt_lookup_min_ngram)
+@register("prompt-lookup", PromptLookupOptions)
+def _build(target: LoadedModel, options: PromptLookupOptions) -> PromptLookupSpeculator:
+    """drafts the continuation of the latest earlier match of the last n tokens (free)"""
+    return PromptLookupSpeculator(options.max_ngram, options.min_ngram)

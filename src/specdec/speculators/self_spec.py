@@ -41,10 +41,9 @@ from typing import Any, ClassVar
 from torch import nn
 from transformers import PreTrainedModel
 
-from specdec.config import SpeculationConfig
 from specdec.errors import CheckpointError, ConfigError
-from specdec.speculators.base import register
 from specdec.speculators.draft_model import DraftModelSpeculator
+from specdec.speculators.spec import SpeculatorOptions, option, register
 from specdec.target import LoadedModel, ModelRunner
 from specdec.target.early_exit import decoder_layers, layer_subset_model
 from specdec.target.loading import calibration_file, identity_mismatch
@@ -240,10 +239,21 @@ class SelfSpeculator(DraftModelSpeculator):
     name: ClassVar[str] = "self"
 
 
-@register("self")
-def _build(target: LoadedModel, config: SpeculationConfig) -> SelfSpeculator:
+@dataclass(frozen=True, kw_only=True)
+class SelfOptions(SpeculatorOptions):
+    primary = "layers"
+    layers: str | None = option(
+        None,
+        help="exit:N, skip:A-B, keep:A-B or adapter:DIR, optionally @T (stop below confidence "
+        "T); bracket lists with commas: [skip:2-4,7]. Default: `specdec calibrate self`'s choice",
+    )
+
+
+@register("self", SelfOptions)
+def _build(target: LoadedModel, options: SelfOptions) -> SelfSpeculator:
+    """layer-skip self-speculation: a subset of the target's own layers drafts"""
     total = len(decoder_layers(target.model))
-    text = config.self_draft
+    text = options.layers
     note = ""
     if not text:
         text = saved_choice(target)

@@ -30,14 +30,15 @@ import os
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
-from specdec.config import SpeculationConfig
 from specdec.errors import CheckpointError, ConfigError
-from specdec.speculators.base import DraftContext, Feedback, register
+from specdec.speculators.base import DraftContext, Feedback, Speculator
+from specdec.speculators.spec import SpeculatorOptions, option, register
 from specdec.speculators.suffix_index import Proposal, SuffixIndex, best_proposal
 from specdec.target import LoadedModel
 from specdec.tree import DraftTree
@@ -218,7 +219,7 @@ class SuffixCache:
             self._index = index
 
 
-class SuffixSpeculator:
+class SuffixSpeculator(Speculator):
     """SuffixDecoding drafts: a per-request index plus a (possibly shared) global cache.
 
     Knobs (defaults after the paper and its reference deployment, ArcticInference):
@@ -235,8 +236,6 @@ class SuffixSpeculator:
     """
 
     name: ClassVar[str] = "suffix"
-    produces_q: ClassVar[bool] = False
-    needs_hidden_states: ClassVar[bool] = False
     drafts_trees: ClassVar[bool] = True
 
     def __init__(
@@ -337,8 +336,40 @@ class SuffixSpeculator:
             self.cache.save(self.cache_path)
 
 
-@register("suffix")
-def _build(target: LoadedModel, config: SpeculationConfig) -> SuffixSpeculator:
-    path = config.suffix_cache
+@dataclass(frozen=True, kw_only=True)
+class SuffixOptions(SpeculatorOptions):
+    """The knobs of :class:`SuffixSpeculator` (defaults after the paper); ``cache`` is a file
+    loaded at start and saved after every request, so earlier outputs survive restarts."""
+
+    primary = "cache"
+    cache: str | None = option(
+        None, help="file the cache of earlier outputs is loaded from and saved to"
+    )
+    max_depth: int = option(DEFAULT_MAX_DEPTH, help="tokens of context matched")
+    max_spec_tokens: int = option(32, help="most drafted nodes")
+    alpha: float = option(1.0, help="drafted nodes per matched token")
+    min_match_length: int = option(2, help="shortest match that drafts")
+    min_token_prob: float = option(0.1, help="nodes less likely to be accepted are not drafted")
+    max_occurrences: int = option(64, help="occurrences sampled to estimate frequencies")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        SuffixSpeculator(**self.knobs())  # the speculator's own range checks, before any work
+
+    def knobs(self) -> dict[str, Any]:
+        return {
+            "max_depth": self.max_depth,
+            "max_spec_tokens": self.max_spec_tokens,
+            "alpha": self.alpha,
+            "min_match_length": self.min_match_length,
+            "min_token_prob": self.min_token_prob,
+            "max_occurrences": self.max_occurrences,
+        }
+
+
+@register("suffix", SuffixOptions)
+def _build(target: LoadedModel, options: SuffixOptions) -> SuffixSpeculator:
+    """SuffixDecoding: trees from suffix indexes of this request and of earlier outputs"""
+    path = options.cache
     cache = SuffixCache.load(path) if path is not None and Path(path).is_file() else None
-    return SuffixSpeculator(cache, cache_path=path)
+    return SuffixSpeculator(cache, cache_path=path, **options.knobs())

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -14,7 +14,12 @@ from specdec.tree import DraftTree
 
 
 class Target(Protocol):
-    """What the engine needs from a target; the tests drive the engine with table-driven fakes."""
+    """What the engine needs from a target; the tests drive the engine with table-driven fakes.
+
+    ``provides_features``: :meth:`enable_features` works and :attr:`features` then holds the
+    hidden states feature-reading speculators draft from."""
+
+    provides_features: ClassVar[bool]
 
     @property
     def context_length(self) -> int: ...
@@ -24,6 +29,8 @@ class Target(Protocol):
     def verify(self, tree: DraftTree) -> torch.Tensor: ...
 
     def commit(self, path: Sequence[int]) -> None: ...
+
+    def enable_features(self, layers: Sequence[int] = (-1,)) -> None: ...
 
     @property
     def features(self) -> torch.Tensor | None:
@@ -39,6 +46,8 @@ class HFTarget:
     Cache invariant: between steps the KV cache holds every committed token but the last, which
     is the root of the next tree and is fed with its drafts.
     """
+
+    provides_features: ClassVar[bool] = True
 
     def __init__(self, loaded: LoadedModel) -> None:
         self.loaded = loaded

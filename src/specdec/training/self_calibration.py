@@ -16,9 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdec.config import SpeculationConfig
 from specdec.errors import DataError
-from specdec.speculators import build_speculator
+from specdec.speculators import build_speculator, options_for
 from specdec.target import HFTarget, LoadedModel
 from specdec.training.data import _prompt_text, _refuse_eval_set
 from specdec.training.progress import NullBar, ProgressFactory
@@ -89,13 +88,10 @@ def measure(
     bar = progress(total=len(specs) * len(prompts), desc="calibrating self", unit="run")
     try:
         for spec in specs:
-            config = SpeculationConfig(
-                method="self", num_draft_tokens=num_draft_tokens, self_draft=spec
-            )
             engine = SpeculativeEngine(
                 HFTarget(loaded),
                 loaded.tokenizer,
-                build_speculator(loaded, config),
+                build_speculator(loaded, options_for("self", layers=spec)),
                 num_draft_tokens=num_draft_tokens,
                 loaded=loaded,
             )

@@ -1,15 +1,17 @@
-"""``--method auto``: every available speculator, and a controller that picks one per step.
+"""``auto``: several speculators, and the controller that picks one per step in the engine's step.
 
-The training-free speculators (prompt lookup, suffix cache, lookahead) are always arms; trained
-or costly ones join when configured (``--medusa DIR``, ``--draft DIR``, ``--self-draft SPEC``),
-or pick the arms explicitly with ``arms`` (``auto:prompt-lookup+suffix`` in the benchmark).
+The training-free speculators (prompt lookup, suffix cache, lookahead) are the default arms;
+name others with their options in the spec (``auto:arms=[prompt-lookup,suffix,eagle:dir=D]``).
+This is not a speculator wrapping others: the engine asks :class:`ArmController` for each
+step's draft, and the controller decides which speculator drafts and how much.
 Free arms propose first and the controller prices their actual drafts; costly arms are run
 only when the controller expects them to pay (see :mod:`specdec.control.controller`).
 
 Each arm keeps its own contract with the engine: it receives ``observe`` feedback for the
-steps it drafted (lookahead advances its Jacobi window from it), every arm that learns across
-requests gets ``end_request``, ``reset`` reaches all of them, and arms that read the target's
-hidden states get exactly their own layers, sliced from the union the engine collects.
+steps it drafted (lookahead advances its Jacobi window from it), arms that declare ``watches``
+see every step's committed context through ``watch``, the engine calls ``end_request`` and
+``reset`` on all of them, and arms that read the target's hidden states get exactly their own
+layers, sliced from the union the engine collects.
 
 Offered drafts that were not chosen still teach the controller: once the tokens after them
 are committed, the length of each one's path that matches them is exactly what its
@@ -30,21 +32,19 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import ClassVar, cast
 
 import torch
 
-from specdec.config import SpeculationConfig
-from specdec.control import CostModel
+from specdec.control.budget import CostModel
 from specdec.control.controller import ArmSpec, Choice, Controller, ControllerConfig, size_class
-from specdec.errors import ConfigError, UnknownSpeculatorError
-from specdec.speculators.base import (
-    DraftContext,
-    Feedback,
-    Speculator,
-    available,
-    build_speculator,
-    register,
+from specdec.errors import ConfigError
+from specdec.speculators.base import DraftContext, Feedback, Speculator, build_speculator
+from specdec.speculators.spec import (
+    SpeculatorOptions,
+    option,
+    parse_spec,
+    register_options,
+    speculator_name,
 )
 from specdec.target import LoadedModel
 from specdec.tree import DraftTree
@@ -63,8 +63,11 @@ def arm_spec(speculator: Speculator, guard: str | None = None) -> ArmSpec:
     """How the controller treats ``speculator``: drafters that run a model (they produce q or
     read hidden states) are decided before drafting; the rest propose first."""
     name = speculator.name
-    on_demand = (
-        bool(speculator.produces_q or speculator.needs_hidden_states) or name in DRAFT_COST_PRIOR
+    on_demand = bool(
+        speculator.drafts_by_model
+        or speculator.produces_q
+        or speculator.needs_hidden_states
+        or name in DRAFT_COST_PRIOR
     )
     cost = DRAFT_COST_PRIOR.get(name, DEFAULT_ON_DEMAND_COST) if on_demand else 0.0
     return ArmSpec(name, on_demand, bool(speculator.drafts_trees), cost, guard)
@@ -75,13 +78,11 @@ def _layer_key(layer: int, num_layers: int) -> int:
     return layer % (num_layers + 1)
 
 
-class AutoSpeculator:
-    """Several speculators behind one controller; see the module doc."""
-
-    name: ClassVar[str] = "auto"
-    produces_q: ClassVar[bool] = True  # an arm may (a draft model under sampling)
-    needs_hidden_states: bool
-    drafts_trees: ClassVar[bool] = True  # sizes its own drafts (the engine caps by context)
+class ArmController:
+    """Chooses, each step, which of several speculators drafts and how much; see the module
+    doc. The engine calls :meth:`draft` where it would call one speculator's ``propose``, and
+    :meth:`observe` with the verification's feedback; ``last_choice`` names the arm whose draft
+    was verified last (``"none"``: no draft)."""
 
     def __init__(
         self,
@@ -105,7 +106,7 @@ class AutoSpeculator:
         self._columns: dict[str, list[int]] = {}
         for a in arms:
             if a.needs_hidden_states:
-                for layer in getattr(a, "feature_layers", (-1,)):
+                for layer in a.feature_layers:
                     if _layer_key(layer, num_layers) not in [
                         _layer_key(x, num_layers) for x in layers
                     ]:
@@ -113,7 +114,7 @@ class AutoSpeculator:
         keys = [_layer_key(x, num_layers) for x in layers]
         for a in arms:
             if a.needs_hidden_states:
-                own = getattr(a, "feature_layers", (-1,))
+                own = a.feature_layers
                 self._columns[a.name] = [keys.index(_layer_key(x, num_layers)) for x in own]
         self.feature_layers = tuple(layers) or (-1,)
         self._shared = Controller(self.specs, CostModel(), self.config)
@@ -127,26 +128,23 @@ class AutoSpeculator:
         self._backlog: dict[str, list[torch.Tensor]] = {}  # deferred watch rows, per arm
         self._backlog_end: dict[str, int] = {}  # the position the backlog's rows reach
 
-    # -- engine hooks ---------------------------------------------------------------------------
-    def bind_cost_model(self, costs: CostModel) -> None:
-        """Share the engine's cost model (calibrated, refined from every step it times)."""
+    def bind_costs(self, costs: CostModel) -> None:
+        """Price drafts with ``costs`` (the engine's: calibrated, refined from every timed
+        step) for greedy requests, and with its frozen prior for sampled ones."""
         self._shared.costs = costs
         self._prior = costs.frozen_prior()
 
+    @property
+    def speculators(self) -> tuple[Speculator, ...]:
+        return tuple(self.arms.values())
+
     def reset(self) -> None:
-        for arm in self.arms.values():
-            arm.reset()
+        """A new request: per-request choices go; the greedy controller's estimates stay."""
         self._active = self._shared
         self._fresh = True
         self._choice, self._tree, self.last_choice = Choice(None), None, None
         self._unchosen = []
         self._backlog, self._backlog_end = {}, {}
-
-    def end_request(self, tokens: list[int], prompt_len: int) -> None:
-        for arm in self.arms.values():
-            end = getattr(arm, "end_request", None)
-            if end is not None:
-                end(tokens, prompt_len)
 
     def choice_counts(self) -> dict[str, int]:
         """Steps each arm drafted, over this speculator's life (greedy requests)."""
@@ -170,8 +168,8 @@ class AutoSpeculator:
         a drafter the controller may not pick for many steps would tax every step, which no
         arm's price shows, and one pass over many rows costs little more than over one."""
         own = self._context_for(name, context)
-        if not getattr(arm, "watch_batches", False):
-            arm.watch(own)  # type: ignore[attr-defined]
+        if not arm.watch_batches:
+            arm.watch(own)
             return
         backlog = self._backlog.setdefault(name, [])
         if own.features is not None:  # [M, H]: positions root-M .. root-1
@@ -182,7 +180,7 @@ class AutoSpeculator:
             self._backlog_end[name] = len(own.tokens) - 1
         if sum(len(f) for f in backlog) >= MAX_BACKLOG:
             self._catch_up(name, own)
-            arm.watch(own)  # type: ignore[attr-defined]
+            arm.watch(own)
 
     def _catch_up(self, name: str, context: DraftContext) -> None:
         """Absorb the rows ``name`` deferred before this step's (oldest first); clears them.
@@ -197,7 +195,7 @@ class AutoSpeculator:
             return
         rows = torch.cat(backlog)  # [R, H]: positions end-R .. end-1
         earlier = replace(context, tokens=context.tokens[: end + 1], features=rows)
-        self.arms[name].watch(earlier)  # type: ignore[attr-defined]
+        self.arms[name].watch(earlier)
 
     def _propose(self, name: str, context: DraftContext, budget: int) -> tuple[DraftTree, float]:
         """Draft with ``name``; the seconds are its drafting time (after any deferred catch-up)."""
@@ -207,7 +205,8 @@ class AutoSpeculator:
         tree = self.arms[name].propose(own, budget)
         return tree, time.perf_counter() - t0
 
-    def propose(self, context: DraftContext, budget: int) -> DraftTree:
+    def draft(self, context: DraftContext, budget: int) -> DraftTree:
+        """This step's draft: from the arm the controller expects to pay best, or none."""
         if self._fresh:
             # greedy: one controller learns across requests; sampled: a fresh one on the
             # frozen prior, so the output depends on the seed alone
@@ -218,7 +217,7 @@ class AutoSpeculator:
             self._fresh = False
         controller = self._active
         for name, arm in self.arms.items():
-            if hasattr(arm, "watch"):  # learners see every step's committed tokens and states
+            if arm.watches:  # learners see every step's committed tokens and states
                 self._watch(name, arm, context)
         self._learn_from_unchosen(controller, context.tokens)
         root = context.tokens[-1]
@@ -327,46 +326,55 @@ def _cut_chain(tree: DraftTree, k: int) -> DraftTree:
     return DraftTree.chain(tree.tokens[0], list(tree.tokens[1 : k + 1]), probs)
 
 
-def parse_arms(text: str | None, config: SpeculationConfig) -> list[str]:
-    """Arm names: ``text`` (``+`` or ``,`` separated) or the training-free ones plus every
-    trained speculator the configuration names.
-
-    >>> parse_arms(None, SpeculationConfig(medusa="heads"))
-    ['prompt-lookup', 'suffix', 'lookahead', 'medusa']
-    >>> parse_arms("suffix+prompt-lookup", SpeculationConfig())
-    ['suffix', 'prompt-lookup']
-    """
-    if text:
-        names = [n.strip() for n in text.replace(",", "+").split("+") if n.strip()]
-    else:
-        names = list(TRAINING_FREE)
-        names += [n for n, opt in (("medusa", config.medusa), ("draft", config.draft)) if opt]
-        if config.self_draft:
-            names.append("self")
-        if getattr(config, "eagle", None):  # the EAGLE drafter, where this version has one
-            names.append("eagle")
-        if config.osd:
-            names.append("osd")
-    known = [n for n in available() if n not in ("auto", "none")]
-    for n in names:
-        if n not in known:
-            raise UnknownSpeculatorError(
-                f"unknown speculator {n!r} for method auto; available: {', '.join(known)}"
-            )
-    if len(set(names)) != len(names):
-        raise ConfigError(f"method auto lists a speculator twice: {'+'.join(names)}")
-    return names
+def _training_free() -> tuple[SpeculatorOptions, ...]:
+    return tuple(parse_spec(n) for n in TRAINING_FREE)
 
 
-@register("auto")
-def _build(target: LoadedModel, config: SpeculationConfig) -> Speculator:
-    names = parse_arms(config.auto_arms, config)
-    arms = [build_speculator(target, replace(config, method=n)) for n in names]
+@dataclass(frozen=True, kw_only=True)
+class AutoOptions(SpeculatorOptions):
+    """The speculators ``auto`` chooses among, each a spec with its own options."""
+
+    primary = "arms"
+    arms: tuple[SpeculatorOptions, ...] = option(
+        (),
+        help="speculators to choose among: a+b, or [a,b:key=value] with options (default: "
+        "prompt-lookup+suffix+lookahead)",
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        names = [speculator_name(a) for a in self.arms]
+        for n in names:
+            if n in ("auto", "none"):
+                raise ConfigError(f"auto cannot choose {n!r}: name speculators that draft")
+        if len(set(names)) != len(names):
+            raise ConfigError(f"auto lists a speculator twice: {'+'.join(names)}")
+
+    def arm_options(self) -> tuple[SpeculatorOptions, ...]:
+        """The arms, or the training-free ones by default.
+
+        >>> [speculator_name(a) for a in AutoOptions().arm_options()]
+        ['prompt-lookup', 'suffix', 'lookahead']
+        """
+        return self.arms or _training_free()
+
+
+def build_arm_controller(
+    target: LoadedModel, options: AutoOptions, num_draft_tokens: int
+) -> ArmController:
+    """The controller over ``options``' arms, each built from its own options."""
+    arms = [build_speculator(target, a) for a in options.arm_options()]
+    names = {a.name for a in arms}
     num_layers = int(target.model.config.num_hidden_layers)
     # the speed floor: the online learner must beat the static heads it started from
-    guards = {"osd": "medusa"} if {"osd", "medusa"} <= set(names) else {}
-    auto = AutoSpeculator(
-        arms, num_draft_tokens=config.num_draft_tokens, num_layers=num_layers, guards=guards
-    )
-    # needs_hidden_states is per instance here (the arms decide), a class constant elsewhere
-    return cast(Speculator, auto)
+    guards = {"osd": "medusa"} if {"osd", "medusa"} <= names else {}
+    k = options.k or num_draft_tokens
+    return ArmController(arms, num_draft_tokens=k, num_layers=num_layers, guards=guards)
+
+
+register_options(
+    "auto",
+    AutoOptions,
+    None,
+    summary="a controller picks, per step, which speculator drafts and how much (ATLAS-style)",
+)
