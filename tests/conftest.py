@@ -3,11 +3,19 @@
 Tiny models are genuine Hugging Face model directories (config.json + safetensors + a BPE
 tokenizer trained here on Tiny Shakespeare), with random weights, so the whole loading and
 decoding path runs exactly as for a user's model, in milliseconds per token.
+
+No test sees the developer's cache (``~/.cache/specdec``: saved calibrations, converted models).
+Each test gets its own empty cache home (``XDG_CACHE_HOME``, which subprocesses inherit), whose
+``specdec/gguf`` (the GGUF -> safetensors conversions, keyed by the GGUF's content hash) links
+to one store shared by all tests and kept between runs in pytest's cache directory, so the
+bundled model is converted once, not once per test or per run.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -98,6 +106,61 @@ def _threads_for_size(request: pytest.FixtureRequest):
     torch.set_num_threads(before)
 
 
+@dataclass(frozen=True)
+class CacheLocations:
+    real_root: Path  # the developer's cache root, as the library computes it outside the tests
+    models: Path  # a cache root holding only ``gguf/``: conversions shared by every test
+    session_home: Path  # the XDG_CACHE_HOME of session-scoped subprocesses (the test servers)
+
+
+def cache_home_sharing_models(home: Path, models: Path) -> Path:
+    """``home`` as an empty XDG cache home whose ``specdec/gguf`` is the shared ``models/gguf``."""
+    (home / "specdec").mkdir(parents=True)
+    (home / "specdec" / "gguf").symlink_to(models / "gguf", target_is_directory=True)
+    return home
+
+
+@pytest.fixture(scope="session", autouse=True)
+def specdec_cache(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[CacheLocations]:
+    from specdec.target import loading
+
+    real_root = loading.cache_root()
+    cache = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider
+    models = cache.mkdir("specdec-models") if cache else tmp_path_factory.mktemp("models")
+    (models / "gguf").mkdir(exist_ok=True)
+    home = cache_home_sharing_models(tmp_path_factory.mktemp("cache-home-session"), models)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(home))
+        yield CacheLocations(real_root, models, home)
+
+
+@pytest.fixture(autouse=True)
+def isolated_cache(
+    specdec_cache: CacheLocations,
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+) -> Path:
+    """This test's own, initially empty, specdec cache root (converted models aside). A test
+    may still point XDG_CACHE_HOME elsewhere; the real user cache is refused outright."""
+    from specdec.target import loading
+
+    home = cache_home_sharing_models(tmp_path_factory.mktemp("cache-home"), specdec_cache.models)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(home))
+    computed = loading.cache_root
+    real = specdec_cache.real_root.resolve()
+
+    def cache_root() -> Path:
+        root = computed()
+        if root.resolve().is_relative_to(real):
+            pytest.fail(f"a test reached the real user cache {root}")
+        return root
+
+    monkeypatch.setattr(loading, "cache_root", cache_root)
+    return home / "specdec"
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tiny_tokenizer")
@@ -126,8 +189,8 @@ def other_vocab_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def smol_dir() -> Path:
-    """The bundled SmolLM2-135M-Instruct, converted once into the user cache (slow tests)."""
+def smol_dir(specdec_cache: CacheLocations) -> Path:
+    """The bundled SmolLM2-135M-Instruct, converted once into the shared store (slow tests)."""
     from specdec.errors import ModelNotFoundError
     from specdec.target.loading import convert_gguf, default_gguf_path
 
@@ -137,4 +200,4 @@ def smol_dir() -> Path:
         if os.environ.get("CI"):
             raise
         pytest.skip(str(e))
-    return convert_gguf(gguf)
+    return convert_gguf(gguf, root=specdec_cache.models)

@@ -28,7 +28,13 @@ from openai import OpenAI
 TINY_NAME = "tiny"
 SMOL_NAME = "smol"
 # Same numerics in every process (server and CLI reference): one intra-op thread.
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+THREAD_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def server_env() -> dict[str, str]:
+    """The environment as it is now, when the process starts (not at import): it carries the
+    isolated XDG_CACHE_HOME of the running test, or of the session for session fixtures."""
+    return {**os.environ, **THREAD_ENV}
 STARTUP_TIMEOUT_S = 240.0
 
 
@@ -52,7 +58,9 @@ class Server:
         self.log = log
         self._clients: list[OpenAI] = []
         with log.open("wb") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=ENV)
+            self.proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=server_env()
+            )
 
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> Server:
         deadline = time.monotonic() + timeout
@@ -124,7 +132,7 @@ class CliRun:
             "--model", str(model_dir), "--json", "--temperature", "0", *args,
         ]
         self._proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=server_env()
         )
         self._result: dict[str, Any] | None = None
 
@@ -146,7 +154,7 @@ class CliRun:
 COMPLETION_PROMPT = "ROMEO: But soft, what light through yonder window breaks? It is the east, and"
 CHAT_QUESTION = "Tell me about the winter of our discontent."
 CLI_CASES = {
-    "completion": (COMPLETION_PROMPT, ("--no-chat", "-n", "40", "--method", "prompt-lookup")),
+    "completion": (COMPLETION_PROMPT, ("--no-chat", "-n", "40", "--speculator", "prompt-lookup")),
 }
 
 
@@ -166,10 +174,10 @@ def _tiny_fleet(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     cli: dict[str, CliRun] = {}
     try:
         # The main server of the suite: prompt-lookup speculation, room for 64 waiting requests.
-        started.append(Server([*model, "--method", "prompt-lookup", "--max-queue", "64"],
+        started.append(Server([*model, "--speculator", "prompt-lookup", "--max-queue", "64"],
                               logs / "tiny.log"))
         # No waiting room at all: one request decodes, others are refused while it runs.
-        started.append(Server([*model, "--method", "none", "--max-queue", "0",
+        started.append(Server([*model, "--speculator", "none", "--max-queue", "0",
                                "--request-timeout", "60"], logs / "strict.log"))
         cli = {name: CliRun(tiny_model_dir, p, *f) for name, (p, f) in CLI_CASES.items()}
         yield _Fleet(started[0], started[1], cli)

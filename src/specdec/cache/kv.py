@@ -79,7 +79,8 @@ class KVCache:
         A chain's accepted path ``0..m`` is a crop; a tree's path is compacted into contiguous
         slots so that the invariant holds again.
 
-        >>> # entries [P, P+1, P+2, P+3] for nodes 0..3, path (0, 2, 3) keeps P, P+2, P+3
+        For example, of entries ``[P, P+1, P+2, P+3]`` for nodes 0..3, the path ``(0, 2, 3)``
+        keeps ``P, P+2, P+3``.
         """
         keep = list(keep)
         if keep == list(range(len(keep))):

@@ -143,7 +143,7 @@ def best_prefix(gains: tuple[float, ...], tree_cost: Callable[[int], float]) -> 
     """The node count n (>= 1) maximising expected tokens per verification cost,
     ``(1 + gains[n - 1]) / tree_cost(n + 1)`` (the tree verified holds the root too).
 
-    >>> best_prefix((0.9, 1.0, 1.05), lambda n: 1 + 0.1 * (n - 1))
+    >>> best_prefix((0.9, 1.6, 1.7), lambda n: 1 + 0.1 * (n - 1))  # 1.73, 2.17, 2.08
     2
     """
     best_n, best_rate = 1, 0.0

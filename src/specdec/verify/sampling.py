@@ -19,8 +19,8 @@ def probs_from_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor
     one-hot distribution of the argmax, so the greedy case is the deterministic limit.
 
     >>> cfg = SamplingConfig(temperature=1.0, top_k=2)
-    >>> probs_from_logits(torch.tensor([[0.0, 1.0, 2.0]]), cfg).round(decimals=3).tolist()
-    [[0.0, 0.269, 0.731]]
+    >>> [round(p, 3) for p in probs_from_logits(torch.tensor([[0.0, 1.0, 2.0]]), cfg)[0].tolist()]
+    [0.0, 0.269, 0.731]
     """
     x = logits if logits.dtype == torch.float64 else logits.float()  # [N, V]
     if cfg.greedy:
