@@ -5,7 +5,10 @@ method, interleaved over repeats after a warm-up: plain decoding (ours), specula
 (ours), and Hugging Face ``model.generate`` greedy on the same model object and numerics.
 Prints a markdown table of medians. Usage:
 
-    .venv/bin/python bench/generate_figures.py [--methods prompt-lookup] [-n 128] [--repeats 3]
+    .venv/bin/python bench/generate_figures.py [--methods prompt-lookup,draft:layers:8] \
+        [-n 128] [--repeats 3]
+
+``--methods`` is a comma-separated list of speculator specs, as ``specdec bench`` takes them.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from pathlib import Path
 import torch
 
 from specdec import SpeculativeEngine
+from specdec.errors import SpecDecError
+from specdec.speculators.spec import parse_spec, split_specs
 from specdec.target import load_model
 
 SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared/data/eval/spec_bench/question.jsonl"
@@ -54,17 +59,16 @@ def hf_generate_seconds(loaded, ids: list[int], n: int) -> tuple[float, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--methods", default="prompt-lookup")
+    ap.add_argument("--methods", default="prompt-lookup", help="comma-separated speculator specs")
     ap.add_argument("-n", "--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
+    try:
+        specs = {m: parse_spec(m) for m in split_specs(args.methods)}
+    except SpecDecError as e:
+        ap.error(str(e))
     loaded = load_model(None)
-    engines = {
-        m: SpeculativeEngine.from_pretrained(
-            loaded, method=m.split(":", 1)[0], draft=m.split(":", 1)[1] if ":" in m else None
-        )
-        for m in args.methods.split(",")
-    }
+    engines = {m: SpeculativeEngine.from_pretrained(loaded, speculator=o) for m, o in specs.items()}
     plain_engine = next(iter(engines.values()))
     rows = []
     for kind, prompt in prompts().items():

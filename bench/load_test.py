@@ -1,6 +1,6 @@
 """Load generator for ``specdec serve``: throughput and latency at several concurrency levels.
 
-Run a server first (loopback only), e.g. ``specdec serve --method prompt-lookup --port 8000``,
+Run a server first (loopback only), e.g. ``specdec serve --speculator prompt-lookup --port 8000``,
 then::
 
     python bench/load_test.py --url http://127.0.0.1:8000 --concurrency 1,4,16 \
@@ -85,12 +85,17 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[rank - 1]
 
 
-def one_request(client: httpx.Client, model: str, prompt: str, max_tokens: int,
-                ignore_eos: bool) -> RequestResult:
+def one_request(
+    client: httpx.Client, model: str, prompt: str, max_tokens: int, ignore_eos: bool
+) -> RequestResult:
     body = {
-        "model": model, "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": max_tokens, "temperature": 0, "stream": True,
-        "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos,
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": ignore_eos,
     }
     sent = time.perf_counter()
     arrivals: list[float] = []
@@ -101,7 +106,7 @@ def one_request(client: httpx.Client, model: str, prompt: str, max_tokens: int,
         for line in r.iter_lines():
             if not line.startswith("data: "):
                 continue
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             if data == "[DONE]":
                 break
             chunk = json.loads(data)
@@ -120,16 +125,18 @@ def one_request(client: httpx.Client, model: str, prompt: str, max_tokens: int,
     return RequestResult(True, tokens, arrivals[0] - sent, gaps, tpot, tau)
 
 
-def run_level(url: str, model: str, concurrency: int, requests: int, max_tokens: int,
-              ignore_eos: bool) -> LevelReport:
+def run_level(
+    url: str, model: str, concurrency: int, requests: int, max_tokens: int, ignore_eos: bool
+) -> LevelReport:
     local = threading.local()
 
     def task(i: int) -> RequestResult:
         if not hasattr(local, "client"):
             local.client = httpx.Client(base_url=url, timeout=600.0)
         try:
-            return one_request(local.client, model, PROMPTS[i % len(PROMPTS)], max_tokens,
-                               ignore_eos)
+            return one_request(
+                local.client, model, PROMPTS[i % len(PROMPTS)], max_tokens, ignore_eos
+            )
         except httpx.HTTPError as e:
             return RequestResult(False, error=f"{type(e).__name__}: {e}")
 
@@ -147,10 +154,14 @@ def run_level(url: str, model: str, concurrency: int, requests: int, max_tokens:
     tpots = [r.tpot for r in good if r.tpot is not None]
     taus = [r.tau for r in good if r.tau is not None]
     return LevelReport(
-        concurrency=concurrency, requests=requests, failed=len(results) - len(good),
-        tokens=tokens, wall_s=round(wall, 3),
+        concurrency=concurrency,
+        requests=requests,
+        failed=len(results) - len(good),
+        tokens=tokens,
+        wall_s=round(wall, 3),
         throughput_tok_s=round(tokens / wall, 2) if wall > 0 else 0.0,
-        ttft_p50_s=round(percentile(ttfts, 50), 3), ttft_p99_s=round(percentile(ttfts, 99), 3),
+        ttft_p50_s=round(percentile(ttfts, 50), 3),
+        ttft_p99_s=round(percentile(ttfts, 99), 3),
         itl_p50_ms=round(1000 * percentile(gaps, 50), 2),
         itl_p99_ms=round(1000 * percentile(gaps, 99), 2),
         tpot_p50_ms=round(1000 * percentile(tpots, 50), 2),
@@ -159,8 +170,10 @@ def run_level(url: str, model: str, concurrency: int, requests: int, max_tokens:
 
 
 def markdown(reports: list[LevelReport], label: str) -> str:
-    head = ("| method | clients | requests | tokens | wall s | tok/s (all) | TTFT p50 s | "
-            "TTFT p99 s | ITL p50 ms | ITL p99 ms | TPOT p50 ms | τ |")
+    head = (
+        "| method | clients | requests | tokens | wall s | tok/s (all) | TTFT p50 s | "
+        "TTFT p99 s | ITL p50 ms | ITL p99 ms | TPOT p50 ms | τ |"
+    )
     rows = [head, "|" + "---|" * 12]
     for r in reports:
         rows.append(
@@ -189,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     with httpx.Client(base_url=args.url, timeout=30) as http:
         info = http.get("/v1/models").json()["data"][0]
-    model, method = info["id"], info.get("speculation_method", "?")
+    # the full spec (options included) where the server reports it, else the speculator's name
+    model, method = info["id"], info.get("speculator", info.get("speculation_method", "?"))
     ignore_eos = not args.no_ignore_eos
     if args.warmup:
         run_level(args.url, model, 1, args.warmup, 8, ignore_eos)
@@ -200,8 +214,16 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown(reports, method))
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump({"model": model, "method": method, "max_tokens": args.max_tokens,
-                       "levels": [asdict(r) for r in reports]}, f, indent=2)
+            json.dump(
+                {
+                    "model": model,
+                    "method": method,
+                    "max_tokens": args.max_tokens,
+                    "levels": [asdict(r) for r in reports],
+                },
+                f,
+                indent=2,
+            )
     return 0 if all(r.failed == 0 for r in reports) else 1
 
 

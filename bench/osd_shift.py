@@ -29,6 +29,7 @@ from specdec.config import GenerationConfig
 from specdec.heads.medusa import load_medusa
 from specdec.speculators.medusa import resolve_topology, topology_sizer
 from specdec.speculators.osd import OnlineConfig, OnlineMedusaSpeculator
+from specdec.speculators.spec import options_for
 from specdec.target import HFTarget, load_model
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "train"
@@ -100,7 +101,9 @@ def main() -> None:
         ap.error(f"unknown domain(s) {', '.join(unknown)}; known: {', '.join(DOMAINS)}")
     stream = [(d, p) for d, n in plan for p in DOMAINS[d](n, rng)]
     loaded = load_model(None)
-    static = SpeculativeEngine.from_pretrained(loaded, method="medusa", medusa=args.medusa)
+    static = SpeculativeEngine.from_pretrained(
+        loaded, speculator=options_for("medusa", dir=args.medusa)
+    )
     heads = load_medusa(args.medusa)
     learner = OnlineMedusaSpeculator(
         heads,
@@ -108,6 +111,7 @@ def main() -> None:
         OnlineConfig(lr=args.lr, warmup=args.warmup, steps_per_round=args.steps_per_round),
         state_dir=args.out / "osd-state",
         sizer=None if args.fixed_tree else topology_sizer(None),
+        sized=True,  # as the static engine: each step cuts the tree to what pays
     )
     online = SpeculativeEngine(HFTarget(loaded), loaded.tokenizer, learner, loaded=loaded)
     static.generate("Name three colours.", max_new_tokens=8)  # warm-up, outside the stream
@@ -126,7 +130,7 @@ def main() -> None:
             row["identical"] = outs["static"] == outs["adaptive"]
             row["osd_version"] = learner.version
             row["osd_steps"] = learner.trainer.steps
-            row["static_nodes"] = len(static.speculator.topology)
+            row["static_nodes"] = len(static.speculator.current_topology(static.cost_model))
             row["adaptive_nodes"] = len(learner.current_topology)
             records.append(row)
             sink.write(json.dumps(row) + "\n")

@@ -519,10 +519,12 @@ def test_bench_runs_auto_and_reports_its_choices():
     from specdec.bench.methods import parse_methods
     from specdec.bench.report import choice_table
 
+    from specdec.speculators import parse_spec
+
     specs = parse_methods("auto:suffix+prompt-lookup,auto")
-    assert [(s.name, s.draft) for s in specs[1:]] == [
-        ("auto", "suffix+prompt-lookup"),
-        ("auto", None),
+    assert [(s.label, s.options) for s in specs[1:]] == [
+        ("auto:suffix+prompt-lookup", parse_spec("auto:arms=suffix+prompt-lookup")),
+        ("auto", parse_spec("auto")),
     ]
     records = [
         {"method": "auto", "group": "qa", "choices": {"suffix": 3, "none": 1}},

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,12 +27,15 @@ def q(qid: int, cat: str, text: str) -> str:
 def tiny_dataset(tmp_path: Path) -> Path:
     p = tmp_path / "questions.jsonl"
     p.write_text(
-        "\n".join([
-            q(81, "writing", "ROMEO: But soft, what light through yonder window breaks?"),
-            q(321, "qa", "First Citizen: Before we proceed any further, hear me speak."),
-            "{broken",
-            q(322, "qa", "KING RICHARD III: Now is the winter of our discontent"),
-        ]) + "\n",
+        "\n".join(
+            [
+                q(81, "writing", "ROMEO: But soft, what light through yonder window breaks?"),
+                q(321, "qa", "First Citizen: Before we proceed any further, hear me speak."),
+                "{broken",
+                q(322, "qa", "KING RICHARD III: Now is the winter of our discontent"),
+            ]
+        )
+        + "\n",
         encoding="utf-8",
     )
     return p
@@ -55,7 +61,11 @@ def check_outputs(out: Path, methods: list[str], prompts: int) -> list[dict]:
         assert r["seconds"] > 0
         assert {"cpu", "threads", "torch", "transformers", "dtype"} <= set(r["env"])
         if r["method"] in ("none", "prompt-lookup") or r["method"].startswith("draft"):
-            assert r["mean_accepted"] >= 1.0
+            forwards, accepted = r["target_forwards"], sum(r["accepted_at"])
+            assert 0 < forwards <= r["new_tokens"] + 1
+            assert r["mean_accepted"] == pytest.approx((accepted + forwards) / forwards)
+            if r["method"] == "none":
+                assert accepted == 0 and r["mean_accepted"] == 1.0
     report = (out / "report.md").read_text()
     assert "## Overall" in report
     for m in methods:
@@ -67,13 +77,31 @@ def check_outputs(out: Path, methods: list[str], prompts: int) -> list[dict]:
 
 def test_tiny_all_kinds_of_method_and_a_malformed_line(tiny_model_dir, tiny_dataset, tmp_path):
     out = tmp_path / "out"
-    methods = ["none", "prompt-lookup", "draft:layers:2", "hf", "hf-prompt-lookup",
-               "hf-assisted:layers:2"]
-    result = invoke([
-        "--model", str(tiny_model_dir), "--dataset", str(tiny_dataset), "--methods",
-        ",".join(methods), "--max-new-tokens", "12", "--out", str(out), "--no-plots",
-        "--threads", "1",
-    ])
+    methods = [
+        "none",
+        "prompt-lookup",
+        "draft:layers:2",
+        "hf",
+        "hf-prompt-lookup",
+        "hf-assisted:layers:2",
+    ]
+    result = invoke(
+        [
+            "--model",
+            str(tiny_model_dir),
+            "--dataset",
+            str(tiny_dataset),
+            "--methods",
+            ",".join(methods),
+            "--max-new-tokens",
+            "12",
+            "--out",
+            str(out),
+            "--no-plots",
+            "--threads",
+            "1",
+        ]
+    )
     # the malformed line is reported with its number, the other questions still run
     assert result.exit_code == EXIT_BAD_LINES, result.output
     assert "questions.jsonl:3" in result.output
@@ -92,17 +120,25 @@ def test_tiny_all_kinds_of_method_and_a_malformed_line(tiny_model_dir, tiny_data
     "args,message",
     [
         (["--dataset", "/nonexistent/q.jsonl"], "does not exist"),
-        (["--methods", "none,medusa2"], "unknown method 'medusa2'"),
-        (["--methods", "none,eagle"], "needs a draft"),
-        (["--methods", "none,medusa"], "needs a draft"),
+        (["--methods", "none,medusa2"], "unknown name 'medusa2'"),
+        (["--methods", "none,eagle"], "needs dir="),
+        (["--methods", "none,medusa"], "needs dir="),
+        (["--methods", "none,eagle:dir=d,depth=3"], "no option 'depth'; its options: k, dir"),
+        (["--methods", "none,hf-assisted"], "needs draft="),
         (["--categories", "poetry"], "unknown category 'poetry'"),
         (["--per-category", "0"], "--per-category must be >= 1"),
-        (["--methods", "draft"], "needs a draft"),
+        (["--methods", "draft"], "needs model="),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, message, tiny_dataset, tiny_model_dir, tmp_path):
-    base = ["--dataset", str(tiny_dataset), "--model", str(tiny_model_dir), "--out",
-            str(tmp_path / "o")]
+    base = [
+        "--dataset",
+        str(tiny_dataset),
+        "--model",
+        str(tiny_model_dir),
+        "--out",
+        str(tmp_path / "o"),
+    ]
     result = invoke(base + args)  # later options win
     assert result.exit_code == 2, result.output
     assert message in result.output
@@ -115,11 +151,67 @@ def test_quick_mode_on_the_bundled_model(smol_dir, tmp_path):
     """The CI check: --quick on the real model; identity must hold for every method."""
     out = tmp_path / "quick"
     methods = ["none", "prompt-lookup", "hf"]
-    result = invoke([
-        "--quick", "--model", str(smol_dir), "--methods", ",".join(methods),
-        "--categories", "qa,math_reasoning", "--threads", "1", "--out", str(out),
-    ])
+    result = invoke(
+        [
+            "--quick",
+            "--model",
+            str(smol_dir),
+            "--methods",
+            ",".join(methods),
+            "--categories",
+            "qa,math_reasoning",
+            "--threads",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     assert result.exit_code == 0, result.output
     rows = check_outputs(out, methods, prompts=2)
     assert all(r["new_tokens"] <= 32 for r in rows)
     assert {r["group"] for r in rows} == {"qa", "math_reasoning"}
+
+
+# Python run as `specdec` with matplotlib unimportable, as after `pip install specdec` without
+# the bench extra: None in sys.modules makes `import matplotlib` raise ModuleNotFoundError.
+NO_MATPLOTLIB = (
+    "import sys; sys.modules['matplotlib'] = None; sys.argv = ['specdec', *sys.argv[1:]]; "
+    "from specdec.cli.main import main; main()"
+)
+
+
+def test_quick_without_matplotlib_says_so_first_and_writes_the_report(tiny_model_dir, tmp_path):
+    """The plotting extra missing is announced before the run, and the run still ends with a
+    report (no plots) and exit 0, never a traceback after the work is done."""
+    data = tmp_path / "q.jsonl"
+    data.write_text(q(81, "writing", "ROMEO: But soft, what light?") + "\n", encoding="utf-8")
+    out = tmp_path / "out"
+    args = [
+        "bench",
+        "--quick",
+        "--model",
+        str(tiny_model_dir),
+        "--dataset",
+        str(data),
+        "--methods",
+        "none,prompt-lookup",
+        "--max-new-tokens",
+        "6",
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", NO_MATPLOTLIB, *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    warning = proc.stderr.index("matplotlib is not installed")
+    assert warning < proc.stderr.index("prompts ×")  # said before the run starts
+    last = " ".join(proc.stderr[proc.stderr.rindex("wrote ") :].split())  # rich wraps it
+    assert "report.md (no plots: pip install 'specdec[bench]')" in last, proc.stderr
+    assert (out / "report.md").is_file() and not list(out.glob("*.png"))
+    assert len(read_rows(out)) == 2

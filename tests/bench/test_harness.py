@@ -6,10 +6,11 @@ from collections.abc import Sequence
 
 import pytest
 
-from specdec.bench.harness import BenchConfig, run_benchmark, total_runs
+from specdec.bench.harness import BenchConfig, run_benchmark, top2_margin, total_runs
 from specdec.bench.methods import MethodSpec, RunOutput
 from specdec.bench.workloads import Question
 from specdec.errors import InvalidRequestError
+from specdec.speculators.spec import parse_spec
 from specdec.target import load_model
 
 
@@ -17,7 +18,7 @@ class Scripted:
     """Returns fixed tokens; logs every call so the test can see the order."""
 
     def __init__(self, label: str, tokens: list[int], log: list[tuple[str, int]]) -> None:
-        self.spec = MethodSpec(label, "engine", label)
+        self.spec = MethodSpec(label, parse_spec("none"))  # the label is what counts here
         self.tokens = tokens
         self.log = log
         self.prompts: list[list[int]] = []
@@ -52,7 +53,9 @@ def test_interleaved_order_warmup_and_identity(tiny):
     assert all(r["identical"] and r["first_diff"] is None for r in same)
     assert all(not r["identical"] and r["first_diff"] == 2 for r in other)
     # the target's top-2 margin at the first differing position is recorded for the verdict
-    assert all(r["diff_margin"] >= 0 and r["diff_tokens"]["reference"] == 7 for r in other)
+    margins = {1: top2_margin(tiny, [10, 11, 5, 6])[0], 2: top2_margin(tiny, [12, 13, 5, 6])[0]}
+    assert all(r["diff_margin"] == pytest.approx(margins[r["line"]]) for r in other)
+    assert all(r["diff_tokens"]["reference"] == 7 for r in other)
     assert all(r["tokens_per_s"] == pytest.approx(8.0) for r in records)
 
 

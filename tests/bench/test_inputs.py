@@ -8,11 +8,16 @@ from pathlib import Path
 import pytest
 
 from specdec.bench.errors import DatasetError, UnknownCategoryError, UnknownMethodError
-from specdec.bench.methods import parse_methods
+from specdec.bench.methods import (
+    HFAssistedOptions,
+    HFGreedyOptions,
+    HFPromptLookupOptions,
+    parse_method,
+    parse_methods,
+)
 from specdec.bench.workloads import load_questions, select, spread, task_group
-from specdec.errors import InvalidRequestError, SpecDecError
-
-ENGINE = ["draft", "none", "prompt-lookup"]
+from specdec.errors import ConfigError, InvalidRequestError, SpecDecError, UnknownSpeculatorError
+from specdec.speculators.spec import parse_spec
 
 
 def write(tmp_path: Path, lines: list[str]) -> Path:
@@ -32,8 +37,17 @@ def test_task_groups_follow_spec_bench():
 
 
 def test_malformed_lines_are_reported_with_line_numbers_and_the_rest_kept(tmp_path):
-    path = write(tmp_path, [q(81, "writing"), "{not json", "", json.dumps([1]),
-                            json.dumps({"question_id": 5, "turns": []}), q(400, "qa")])
+    path = write(
+        tmp_path,
+        [
+            q(81, "writing"),
+            "{not json",
+            "",
+            json.dumps([1]),
+            json.dumps({"question_id": 5, "turns": []}),
+            q(400, "qa"),
+        ],
+    )
     data = load_questions(path)
     assert [x.question_id for x in data.questions] == [81, 400]
     assert [b.line for b in data.bad_lines] == [2, 4, 5]
@@ -54,7 +68,10 @@ def test_select_spreads_and_interleaves_groups(tmp_path):
     data = load_questions(write(tmp_path, lines))
     picked = select(data, None, 2)
     assert [(x.group, x.question_id) for x in picked] == [
-        ("mt_bench", 81), ("qa", 321), ("mt_bench", 91), ("qa", 323)
+        ("mt_bench", 81),
+        ("qa", 321),
+        ("mt_bench", 91),
+        ("qa", 323),
     ]
     assert [x.question_id for x in select(data, ["coding"], 1)] == [91]
     assert len(select(data)) == 24
@@ -70,24 +87,54 @@ def test_select_rejects_unknown_category_and_bad_count(tmp_path):
 
 
 def test_parse_methods():
-    specs = parse_methods("prompt-lookup,draft:layers:8,hf,hf-prompt-lookup,hf-assisted:layers:8",
-                          ENGINE)
-    assert [s.label for s in specs] == ["none", "prompt-lookup", "draft:layers:8", "hf",
-                                        "hf-prompt-lookup", "hf-assisted:layers:8"]
-    assert [(s.backend, s.name, s.draft) for s in specs[2:]] == [
-        ("engine", "draft", "layers:8"), ("hf", "greedy", None), ("hf", "prompt-lookup", None),
-        ("hf", "assisted", "layers:8"),
+    text = (
+        "prompt-lookup,draft:layers:8,eagle:dir=d,tree=5x4x24,hf,hf-prompt-lookup:k=3,"
+        "hf-assisted:layers:8"
+    )
+    specs = parse_methods(text)
+    assert [s.label for s in specs] == [
+        "none",
+        "prompt-lookup",
+        "draft:layers:8",
+        "eagle:dir=d,tree=5x4x24",
+        "hf",
+        "hf-prompt-lookup:k=3",
+        "hf-assisted:layers:8",
+    ]  # labels: the specs as written
+    assert specs[2].options == parse_spec("draft:model=layers:8")
+    assert specs[3].options == parse_spec("eagle:dir=d,tree=5x4x24")
+    assert [type(s.options) for s in specs[4:]] == [
+        HFGreedyOptions,
+        HFPromptLookupOptions,
+        HFAssistedOptions,
     ]
-    assert parse_methods("hf,none", ENGINE)[0].label == "none"  # the reference goes first
+    assert [s.baseline for s in specs] == [False] * 4 + [True] * 3
+    assert specs[5].options.k == 3 and specs[6].options.draft == "layers:8"
+    assert parse_methods("hf,none")[0].label == "none"  # the reference goes first
+    # an explicit key is the same baseline as the primary value
+    assert parse_method("hf-assisted:draft=layers:2").options == HFAssistedOptions(draft="layers:2")
 
 
 @pytest.mark.parametrize(
-    "text,match",
-    [("none,medusa", "unknown method 'medusa'"), ("draft", "needs a draft"),
-     ("hf-assisted", "needs a draft"), ("hf:layers:2", "takes no draft"), ("hf,hf", "twice"),
-     (" , ", "empty")],
+    "text,error,match",
+    [
+        (
+            "none,medusa2",
+            UnknownSpeculatorError,
+            "unknown name 'medusa2'; available: .*hf-assisted",
+        ),
+        ("none,medusa", ConfigError, "'medusa' needs dir="),
+        ("hf-assisted", ConfigError, "needs draft="),
+        ("hf-assisted:layers:x", UnknownMethodError, "expected layers:N"),
+        ("hf:draft=x", ConfigError, "no option 'draft'; its options: k"),
+        ("hf:k=two", ConfigError, "k must be an integer"),
+        ("hf,hf", UnknownMethodError, "twice"),
+        ("draft:layers:8,draft:model=layers:8", UnknownMethodError, "twice .*'draft:layers:8'"),
+        ("auto:arms=[suffix", ConfigError, "unbalanced"),
+        (" , ", UnknownMethodError, "empty"),
+    ],
 )
-def test_parse_methods_errors(text, match):
-    with pytest.raises(UnknownMethodError, match=match) as e:
-        parse_methods(text, ENGINE)
+def test_parse_methods_errors(text, error, match):
+    with pytest.raises(error, match=match) as e:
+        parse_methods(text)
     assert isinstance(e.value, SpecDecError)

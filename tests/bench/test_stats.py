@@ -12,8 +12,15 @@ from specdec.bench.stats import Spread
 
 
 def rec(line: int, method: str, tps: float, repeat: int = 0, **extra):
-    base = dict(line=line, repeat=repeat, method=method, tokens_per_s=tps, group="qa",
-                new_tokens=int(tps * 2), seconds=2.0)
+    base = dict(
+        line=line,
+        repeat=repeat,
+        method=method,
+        tokens_per_s=tps,
+        group="qa",
+        new_tokens=int(tps * 2),
+        seconds=2.0,
+    )
     base.update(extra)
     return base
 
@@ -45,9 +52,12 @@ def test_speedup_is_geomean_of_per_prompt_ratios_not_ratio_of_means():
 
 def test_speedup_pairs_by_prompt_and_repeat_and_spreads_over_repeats():
     recs = [
-        rec(1, "a", 20.0, 0), rec(1, "b", 10.0, 0),  # repeat 0: 2x
-        rec(1, "a", 30.0, 1), rec(1, "b", 10.0, 1),  # repeat 1: 3x
-        rec(1, "a", 10.0, 2), rec(1, "b", 10.0, 2),  # repeat 2: 1x
+        rec(1, "a", 20.0, 0),
+        rec(1, "b", 10.0, 0),  # repeat 0: 2x
+        rec(1, "a", 30.0, 1),
+        rec(1, "b", 10.0, 1),  # repeat 1: 3x
+        rec(1, "a", 10.0, 2),
+        rec(1, "b", 10.0, 2),  # repeat 2: 1x
         rec(2, "a", 99.0, 0),  # no baseline for this prompt: ignored
     ]
     s = stats.speedup(recs, "a", "b")
@@ -56,9 +66,11 @@ def test_speedup_pairs_by_prompt_and_repeat_and_spreads_over_repeats():
 
 
 def test_throughput_pools_tokens_over_seconds():
-    recs = [dict(repeat=0, method="a", new_tokens=10, seconds=1.0),
-            dict(repeat=0, method="a", new_tokens=90, seconds=9.0),
-            dict(repeat=0, method="b", new_tokens=1, seconds=1.0)]
+    recs = [
+        dict(repeat=0, method="a", new_tokens=10, seconds=1.0),
+        dict(repeat=0, method="a", new_tokens=90, seconds=9.0),
+        dict(repeat=0, method="b", new_tokens=1, seconds=1.0),
+    ]
     assert stats.throughput(recs, "a") == Spread(10.0, 10.0, 10.0)
 
 
@@ -66,10 +78,22 @@ def test_tau_and_acceptance_by_position_pool_over_runs():
     # run 1: 4 steps, drafted 3 deep each time; accepted 3, 1, 0, 2 -> at = [3, 2, 1]
     # run 2: 2 steps, drafted 1 deep; accepted 1, 0 -> at = [1]
     recs = [
-        dict(method="s", target_forwards=4, drafted_at=[4, 4, 4], accepted_at=[3, 2, 1],
-             draft_seconds=1.0, seconds=5.0),
-        dict(method="s", target_forwards=2, drafted_at=[2], accepted_at=[1],
-             draft_seconds=0.0, seconds=5.0),
+        dict(
+            method="s",
+            target_forwards=4,
+            drafted_at=[4, 4, 4],
+            accepted_at=[3, 2, 1],
+            draft_seconds=1.0,
+            seconds=5.0,
+        ),
+        dict(
+            method="s",
+            target_forwards=2,
+            drafted_at=[2],
+            accepted_at=[1],
+            draft_seconds=0.0,
+            seconds=5.0,
+        ),
         dict(method="hf", target_forwards=None, drafted_at=None, accepted_at=None),
     ]
     # (6 + 1 accepted + 4 + 2 forwards) / 6 forwards
@@ -102,11 +126,29 @@ def test_first_difference():
 
 
 def test_summarize_rows_are_finite():
-    recs = [rec(1, "none", 10.0, target_forwards=20, drafted_at=[], accepted_at=[],
-                draft_seconds=0.0, identical=True),
-            rec(1, "hf", 12.0, identical=True),
-            rec(1, "pl", 20.0, target_forwards=10, drafted_at=[10], accepted_at=[10],
-                draft_seconds=0.1, identical=True)]
+    recs = [
+        rec(
+            1,
+            "none",
+            10.0,
+            target_forwards=20,
+            drafted_at=[],
+            accepted_at=[],
+            draft_seconds=0.0,
+            identical=True,
+        ),
+        rec(1, "hf", 12.0, identical=True),
+        rec(
+            1,
+            "pl",
+            20.0,
+            target_forwards=10,
+            drafted_at=[10],
+            accepted_at=[10],
+            draft_seconds=0.1,
+            identical=True,
+        ),
+    ]
     by = {m.method: m for m in stats.summarize(recs)}
     assert by["pl"].speedup_vs_none.median == pytest.approx(2.0)
     assert by["pl"].speedup_vs_hf.median == pytest.approx(20 / 12)
@@ -121,11 +163,31 @@ def test_pass_table_shows_each_repeat_separately():
     recs = []
     for rep in (0, 1):
         for line in (1, 2):
-            recs.append(rec(line, "none", 10.0, rep, target_forwards=20, accepted_at=[],
-                            drafted_at=[], draft_seconds=0.0))
+            recs.append(
+                rec(
+                    line,
+                    "none",
+                    10.0,
+                    rep,
+                    target_forwards=20,
+                    accepted_at=[],
+                    drafted_at=[],
+                    draft_seconds=0.0,
+                )
+            )
             # the learning method doubles its accepted drafts on the second pass
-            recs.append(rec(line, "suffix", 10.0 + 10 * rep, rep, target_forwards=10,
-                            accepted_at=[5 + 5 * rep], drafted_at=[10], draft_seconds=0.0))
+            recs.append(
+                rec(
+                    line,
+                    "suffix",
+                    10.0 + 10 * rep,
+                    rep,
+                    target_forwards=10,
+                    accepted_at=[5 + 5 * rep],
+                    drafted_at=[10],
+                    draft_seconds=0.0,
+                )
+            )
     lines = pass_table(recs)
     row = next(x for x in lines if x.startswith("| `suffix`"))
     assert "1.50 / 1.00×" in row and "2.00 / 2.00×" in row

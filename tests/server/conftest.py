@@ -35,6 +35,8 @@ def server_env() -> dict[str, str]:
     """The environment as it is now, when the process starts (not at import): it carries the
     isolated XDG_CACHE_HOME of the running test, or of the session for session fixtures."""
     return {**os.environ, **THREAD_ENV}
+
+
 STARTUP_TIMEOUT_S = 240.0
 
 
@@ -50,9 +52,19 @@ class Server:
     def __init__(self, args: list[str], log: Path) -> None:
         port = free_port()
         cmd = [
-            sys.executable, "-m", "specdec.cli.main", "serve",
-            "--host", "127.0.0.1", "--port", str(port), "--threads", "1",
-            "--log-level", "warning", *args,
+            sys.executable,
+            "-m",
+            "specdec.cli.main",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--threads",
+            "1",
+            "--log-level",
+            "warning",
+            *args,
         ]
         self.url = f"http://127.0.0.1:{port}"
         self.log = log
@@ -128,8 +140,17 @@ class CliRun:
 
     def __init__(self, model_dir: Path, prompt: str, *args: str) -> None:
         cmd = [
-            sys.executable, "-m", "specdec.cli.main", "generate", prompt,
-            "--model", str(model_dir), "--json", "--temperature", "0", *args,
+            sys.executable,
+            "-m",
+            "specdec.cli.main",
+            "generate",
+            prompt,
+            "--model",
+            str(model_dir),
+            "--json",
+            "--temperature",
+            "0",
+            *args,
         ]
         self._proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=server_env()
@@ -166,19 +187,25 @@ class _Fleet:
 
 
 @pytest.fixture(scope="session")
-def _tiny_fleet(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-                ) -> Iterator[_Fleet]:
+def _tiny_fleet(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Fleet]:
     logs = tmp_path_factory.mktemp("servers")
     model = ["--model", str(tiny_model_dir), "--served-model-name", TINY_NAME]
     started: list[Server] = []
     cli: dict[str, CliRun] = {}
     try:
         # The main server of the suite: prompt-lookup speculation, room for 64 waiting requests.
-        started.append(Server([*model, "--speculator", "prompt-lookup", "--max-queue", "64"],
-                              logs / "tiny.log"))
+        started.append(
+            Server(
+                [*model, "--speculator", "prompt-lookup", "--max-queue", "64"], logs / "tiny.log"
+            )
+        )
         # No waiting room at all: one request decodes, others are refused while it runs.
-        started.append(Server([*model, "--speculator", "none", "--max-queue", "0",
-                               "--request-timeout", "60"], logs / "strict.log"))
+        started.append(
+            Server(
+                [*model, "--speculator", "none", "--max-queue", "0", "--request-timeout", "60"],
+                logs / "strict.log",
+            )
+        )
         cli = {name: CliRun(tiny_model_dir, p, *f) for name, (p, f) in CLI_CASES.items()}
         yield _Fleet(started[0], started[1], cli)
     finally:

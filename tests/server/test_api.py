@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import pytest
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -22,8 +23,9 @@ def _stream_completion(client: OpenAI, **kwargs: Any) -> tuple[str, str | None, 
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert all(f is None for f in finishes[:-1]), "finish_reason only on the last choice chunk"
-    spec = [c.model_extra["speculation"] for c in chunks
-            if (c.model_extra or {}).get("speculation")]
+    spec = [
+        c.model_extra["speculation"] for c in chunks if (c.model_extra or {}).get("speculation")
+    ]
     assert len(spec) == 1
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     return text, finishes[-1], chunks[-1].usage, spec[0]
@@ -35,6 +37,10 @@ def test_models_and_health(tiny_server: Server) -> None:
     assert tiny_server.client().models.retrieve(TINY_NAME).id == TINY_NAME
     health = tiny_server.health()
     assert health["status"] == "ok" and health["method"] == "prompt-lookup"
+    assert health["speculator"] == "prompt-lookup"  # the spec served, as given to --speculator
+    assert tiny_server.client().models.retrieve(TINY_NAME).model_extra["speculator"] == (
+        "prompt-lookup"
+    )
     assert health["context_length"] == 512
 
 
@@ -42,10 +48,10 @@ def test_completion_stream_equals_whole_equals_cli(
     tiny_server: Server, cli_references: dict[str, CliRun]
 ) -> None:
     client = tiny_server.client()
-    whole = client.completions.create(model=TINY_NAME, prompt=PROMPT, max_tokens=40,
-                                      temperature=0)
-    text, finish, usage, spec = _stream_completion(client, prompt=PROMPT, max_tokens=40,
-                                                   temperature=0)
+    whole = client.completions.create(model=TINY_NAME, prompt=PROMPT, max_tokens=40, temperature=0)
+    text, finish, usage, spec = _stream_completion(
+        client, prompt=PROMPT, max_tokens=40, temperature=0
+    )
     ref = cli_references["completion"].result()
     assert whole.choices[0].text == text == ref["text"]
     assert whole.choices[0].finish_reason == finish == ref["finish_reason"]
@@ -54,7 +60,14 @@ def test_completion_stream_equals_whole_equals_cli(
     assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
     extra = whole.model_extra["speculation"]
     assert extra["method"] == spec["method"] == "prompt-lookup"
-    assert extra["mean_accepted"] >= 1.0 and 0.0 <= extra["acceptance_rate"] <= 1.0
+    forwards, accepted, drafted = (
+        extra[k] for k in ("target_forwards", "accepted_tokens", "drafted_tokens")
+    )
+    assert forwards > 0 and drafted >= accepted
+    assert extra["mean_accepted"] == pytest.approx((accepted + forwards) / forwards, abs=1e-4)
+    assert extra["acceptance_rate"] == pytest.approx(
+        accepted / drafted if drafted else 0.0, abs=1e-4
+    )
     assert extra["target_forwards"] <= whole.usage.completion_tokens + 1
     assert extra["accepted_tokens"] == spec["accepted_tokens"]  # same greedy run
 
@@ -62,12 +75,19 @@ def test_completion_stream_equals_whole_equals_cli(
 def test_chat_stream_equals_whole(tiny_server: Server) -> None:
     client = tiny_server.client()
     messages = [{"role": "user", "content": CHAT_Q}]
-    whole = client.chat.completions.create(model=TINY_NAME, messages=messages, max_tokens=30,
-                                           temperature=0)
-    chunks = list(client.chat.completions.create(
-        model=TINY_NAME, messages=messages, max_completion_tokens=30, temperature=0,
-        stream=True, stream_options={"include_usage": True},
-    ))
+    whole = client.chat.completions.create(
+        model=TINY_NAME, messages=messages, max_tokens=30, temperature=0
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model=TINY_NAME,
+            messages=messages,
+            max_completion_tokens=30,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert whole.choices[0].message.role == "assistant"
@@ -77,42 +97,54 @@ def test_chat_stream_equals_whole(tiny_server: Server) -> None:
     # The chat template was applied: it wraps the question as <|user|>...<eos><|assistant|>,
     # which is exactly what a completion of the templated text continues.
     templated = f"<|user|>{CHAT_Q}<eos><|assistant|>"
-    same = client.completions.create(model=TINY_NAME, prompt=templated, max_tokens=30,
-                                     temperature=0)
+    same = client.completions.create(
+        model=TINY_NAME, prompt=templated, max_tokens=30, temperature=0
+    )
     assert same.usage.prompt_tokens == whole.usage.prompt_tokens
     assert same.choices[0].text == whole.choices[0].message.content
 
 
 def test_stop_seed_and_token_prompt(tiny_server: Server) -> None:
     client = tiny_server.client()
-    full = client.completions.create(model=TINY_NAME, prompt=PROMPT, max_tokens=40,
-                                     temperature=0).choices[0].text
+    full = (
+        client.completions.create(model=TINY_NAME, prompt=PROMPT, max_tokens=40, temperature=0)
+        .choices[0]
+        .text
+    )
     # a stop string from the middle of the greedy text: output ends right before it
-    at = next(i for i in range(3, len(full) - 2) if full[i:i + 2].isascii()
-              and full[i:i + 2].isalpha())
-    stop = full[at:at + 2]
+    at = next(
+        i
+        for i in range(3, len(full) - 2)
+        if full[i : i + 2].isascii() and full[i : i + 2].isalpha()
+    )
+    stop = full[at : at + 2]
     first = full.find(stop)
-    stopped = client.completions.create(model=TINY_NAME, prompt=PROMPT, max_tokens=40,
-                                        temperature=0, stop=[stop, "\x00never"])
+    stopped = client.completions.create(
+        model=TINY_NAME, prompt=PROMPT, max_tokens=40, temperature=0, stop=[stop, "\x00never"]
+    )
     assert stopped.choices[0].text == full[:first]
     assert stopped.choices[0].finish_reason == "stop"
-    streamed, finish, _, _ = _stream_completion(client, prompt=PROMPT, max_tokens=40,
-                                                temperature=0, stop=stop)
+    streamed, finish, _, _ = _stream_completion(
+        client, prompt=PROMPT, max_tokens=40, temperature=0, stop=stop
+    )
     assert (streamed, finish) == (full[:first], "stop")
     # sampling with a seed is reproducible, streamed or not
     kw: dict[str, Any] = dict(prompt=PROMPT, max_tokens=24, temperature=0.9, top_p=0.95)
     a = client.completions.create(model=TINY_NAME, seed=1234, **kw).choices[0].text
     b = _stream_completion(client, seed=1234, **kw)[0]
     assert a == b
-    others = {client.completions.create(model=TINY_NAME, seed=s, **kw).choices[0].text
-              for s in (1, 2, 3)}
+    others = {
+        client.completions.create(model=TINY_NAME, seed=s, **kw).choices[0].text for s in (1, 2, 3)
+    }
     assert others - {a}, "different seeds should not all give the seed-1234 text"
     # a prompt given as token ids decodes like the same text
     with tiny_server.http() as http:
         usage = client.completions.create(model=TINY_NAME, prompt=PROMPT, max_tokens=1).usage
         ids = list(range(5, 5 + usage.prompt_tokens))
-        r = http.post("/v1/completions", json={"model": TINY_NAME, "prompt": ids,
-                                               "max_tokens": 3, "temperature": 0})
+        r = http.post(
+            "/v1/completions",
+            json={"model": TINY_NAME, "prompt": ids, "max_tokens": 3, "temperature": 0},
+        )
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(ids)
 
 
@@ -127,33 +159,68 @@ BAD: list[tuple[str, str, Any, int, str | None]] = [
     ("missing-model", "/v1/completions", {"prompt": "x"}, 400, "model"),
     ("missing-messages", "/v1/chat/completions", {"model": TINY_NAME}, 400, "messages"),
     ("empty-messages", "/v1/chat/completions", {**OK_CHAT, "messages": []}, 400, "messages"),
-    ("bad-role", "/v1/chat/completions",
-     {**OK_CHAT, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
+    (
+        "bad-role",
+        "/v1/chat/completions",
+        {**OK_CHAT, "messages": [{"role": "wizard", "content": "x"}]},
+        400,
+        "messages.0.role",
+    ),
     ("unknown-model", "/v1/completions", {**OK, "model": "gpt-9"}, 404, "model"),
     ("unknown-model-chat", "/v1/chat/completions", {**OK_CHAT, "model": "gpt-9"}, 404, "model"),
     ("max-tokens-0", "/v1/completions", {**OK, "max_tokens": 0}, 400, "max_tokens"),
-    ("max-tokens-negative", "/v1/chat/completions", {**OK_CHAT, "max_tokens": -3}, 400,
-     "max_tokens"),
+    (
+        "max-tokens-negative",
+        "/v1/chat/completions",
+        {**OK_CHAT, "max_tokens": -3},
+        400,
+        "max_tokens",
+    ),
     ("max-tokens-type", "/v1/completions", {**OK, "max_tokens": "many"}, 400, "max_tokens"),
-    ("max-tokens-beyond-context", "/v1/completions", {**OK, "max_tokens": 100_000}, 400,
-     "max_tokens"),
-    ("max-completion-tokens-beyond", "/v1/chat/completions",
-     {**OK_CHAT, "max_tokens": None, "max_completion_tokens": 600}, 400, "max_completion_tokens"),
-    ("max-completion-tokens-0", "/v1/chat/completions",
-     {**OK_CHAT, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    (
+        "max-tokens-beyond-context",
+        "/v1/completions",
+        {**OK, "max_tokens": 100_000},
+        400,
+        "max_tokens",
+    ),
+    (
+        "max-completion-tokens-beyond",
+        "/v1/chat/completions",
+        {**OK_CHAT, "max_tokens": None, "max_completion_tokens": 600},
+        400,
+        "max_completion_tokens",
+    ),
+    (
+        "max-completion-tokens-0",
+        "/v1/chat/completions",
+        {**OK_CHAT, "max_completion_tokens": 0},
+        400,
+        "max_completion_tokens",
+    ),
     ("seed-overflow", "/v1/completions", {**OK, "seed": 2**70}, 400, "seed"),
     ("temperature-negative", "/v1/completions", {**OK, "temperature": -0.5}, 400, "temperature"),
     ("top-p-zero", "/v1/completions", {**OK, "top_p": 0}, 400, "top_p"),
     ("top-p-above-one", "/v1/chat/completions", {**OK_CHAT, "top_p": 1.5}, 400, "top_p"),
     ("prompt-too-long", "/v1/completions", {**OK, "prompt": LONG}, 400, "prompt"),
-    ("chat-too-long", "/v1/chat/completions",
-     {**OK_CHAT, "messages": [{"role": "user", "content": LONG}]}, 400, "messages"),
+    (
+        "chat-too-long",
+        "/v1/chat/completions",
+        {**OK_CHAT, "messages": [{"role": "user", "content": LONG}]},
+        400,
+        "messages",
+    ),
     ("empty-prompt", "/v1/completions", {**OK, "prompt": "  "}, 400, "prompt"),
     ("token-out-of-vocab", "/v1/completions", {**OK, "prompt": [1, 99999]}, 400, "prompt"),
     ("n-2", "/v1/completions", {**OK, "n": 2}, 400, "n"),
     ("n-3-chat-stream", "/v1/chat/completions", {**OK_CHAT, "n": 3, "stream": True}, 400, "n"),
-    ("bad-temperature-stream", "/v1/chat/completions",
-     {**OK_CHAT, "temperature": -1, "stream": True}, 400, "temperature"),
+    (
+        "bad-temperature-stream",
+        "/v1/chat/completions",
+        {**OK_CHAT, "temperature": -1, "stream": True},
+        400,
+        "temperature",
+    ),
     ("empty-stop", "/v1/completions", {**OK, "stop": [""]}, 400, "stop"),
     ("logprobs-unsupported", "/v1/completions", {**OK, "logprobs": 3}, 400, "logprobs"),
 ]
@@ -199,16 +266,23 @@ def test_metrics_in_prometheus_format(tiny_server: Server) -> None:
         http.post("/v1/completions", json={**OK, "top_p": 7})
     after = _samples(tiny_server)
     assert after[ok] - before.get(ok, 0) == 3
-    invalid = ("specdec_requests_total", (("endpoint", "/v1/completions"),
-                                          ("outcome", "invalid")))
+    invalid = ("specdec_requests_total", (("endpoint", "/v1/completions"), ("outcome", "invalid")))
     assert after[invalid] - before.get(invalid, 0) == 1
     gen = ("specdec_completion_tokens_total", ())
     assert after[gen] - before.get(gen, 0) >= 3
     ttft = ("specdec_time_to_first_token_seconds_count", ())
     assert after[ttft] - before.get(ttft, 0) == 3
-    assert after[("specdec_inter_token_latency_seconds_count", ())] > 0
+    itl = ("specdec_inter_token_latency_seconds_count", ())
+    assert after[itl] > before.get(itl, 0)
     m = (("method", "prompt-lookup"),)
-    assert after[("specdec_tau", m)] >= 1.0
-    assert 0.0 <= after[("specdec_acceptance_rate", m)] <= 1.0
+    forwards = after[("specdec_target_forwards_total", m)]
+    accepted = after[("specdec_accepted_tokens_total", m)]
+    drafted = after[("specdec_drafted_tokens_total", m)]
+    assert after[("specdec_tau", m)] == pytest.approx((accepted + forwards) / forwards)
+    assert drafted >= accepted
+    assert after[("specdec_acceptance_rate", m)] == pytest.approx(
+        accepted / drafted if drafted else 0.0
+    )
     assert after[("specdec_target_forwards_total", m)] > before.get(
-        ("specdec_target_forwards_total", m), 0)
+        ("specdec_target_forwards_total", m), 0
+    )

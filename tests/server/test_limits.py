@@ -26,7 +26,11 @@ def _wait_idle(server: Server, timeout: float = 10.0) -> None:
 def test_full_queue_answers_429_with_retry_after(strict_server: Server) -> None:
     client = strict_server.client()
     stream = client.completions.create(
-        model=TINY_NAME, prompt=LONG["prompt"], max_tokens=500, temperature=0, stream=True,
+        model=TINY_NAME,
+        prompt=LONG["prompt"],
+        max_tokens=500,
+        temperature=0,
+        stream=True,
         extra_body={"ignore_eos": True},
     )
     chunks = iter(stream)
@@ -48,8 +52,9 @@ def test_full_queue_answers_429_with_retry_after(strict_server: Server) -> None:
     assert err["code"] == "queue_full" and err["type"] == "rate_limit_error"
     assert fine.status_code == 200 and fine.json()["usage"]["completion_tokens"] >= 1
     assert 'specdec_requests_total{endpoint="/v1/completions",outcome="rejected"} 1.0' in metrics
-    assert 'specdec_requests_total{endpoint="/v1/chat/completions",outcome="rejected"} 1.0' \
-        in metrics
+    assert (
+        'specdec_requests_total{endpoint="/v1/chat/completions",outcome="rejected"} 1.0' in metrics
+    )
 
 
 def test_requests_over_their_time_budget_time_out(strict_server: Server) -> None:
@@ -57,7 +62,11 @@ def test_requests_over_their_time_budget_time_out(strict_server: Server) -> None
     # streaming: the status is already 200, so the timeout arrives as an error event
     with pytest.raises(openai.APIError, match="timeout"):
         for _ in client.completions.create(
-            model=TINY_NAME, prompt=LONG["prompt"], max_tokens=500, temperature=0, stream=True,
+            model=TINY_NAME,
+            prompt=LONG["prompt"],
+            max_tokens=500,
+            temperature=0,
+            stream=True,
             extra_body={"ignore_eos": True, "timeout": 0.3},
         ):
             pass
@@ -77,8 +86,11 @@ def test_requests_over_their_time_budget_time_out(strict_server: Server) -> None
 
 def test_health_survives_garbage(strict_server: Server) -> None:
     with httpx.Client(base_url=strict_server.url, timeout=10) as http:
-        r = http.post("/v1/completions", content=b"\xff\xfe not json at all",
-                      headers={"content-type": "application/json"})
+        r = http.post(
+            "/v1/completions",
+            content=b"\xff\xfe not json at all",
+            headers={"content-type": "application/json"},
+        )
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
         assert http.get("/v1/completions").status_code == 405
     assert strict_server.health()["status"] == "ok"

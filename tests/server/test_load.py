@@ -52,8 +52,11 @@ class _Sampler(threading.Thread):
 def test_concurrent_streaming_clients_get_their_own_exact_output(tiny_server: Server) -> None:
     client = tiny_server.client()
     reference = {
-        p: client.completions.create(model=TINY_NAME, prompt=p, max_tokens=MAX_TOKENS,
-                                     temperature=0).choices[0].text
+        p: client.completions.create(
+            model=TINY_NAME, prompt=p, max_tokens=MAX_TOKENS, temperature=0
+        )
+        .choices[0]
+        .text
         for p in PROMPTS
     }
     assert len(set(reference.values())) == len(PROMPTS), "distinct outputs reveal any mix-up"
@@ -68,20 +71,33 @@ def test_concurrent_streaming_clients_get_their_own_exact_output(tiny_server: Se
             prompt = PROMPTS[(i + 5 * r) % len(PROMPTS)]
             if r % 2:
                 stream = own.chat.completions.create(
-                    model=TINY_NAME, messages=[{"role": "user", "content": prompt}],
-                    max_tokens=MAX_TOKENS, temperature=0, stream=True,
+                    model=TINY_NAME,
+                    messages=[{"role": "user", "content": prompt}],
+                    max_tokens=MAX_TOKENS,
+                    temperature=0,
+                    stream=True,
                 )
                 text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
                 got.append(("chat:" + prompt, text, None))
                 continue
-            chunks = list(own.completions.create(
-                model=TINY_NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                stream=True,
-            ))
+            chunks = list(
+                own.completions.create(
+                    model=TINY_NAME,
+                    prompt=prompt,
+                    max_tokens=MAX_TOKENS,
+                    temperature=0,
+                    stream=True,
+                )
+            )
             ids = {c.id for c in chunks}
             assert len(ids) == 1, "every chunk of a stream carries the stream's own id"
-            got.append((prompt, "".join(c.choices[0].text for c in chunks if c.choices),
-                        chunks[-1].choices[0].finish_reason))
+            got.append(
+                (
+                    prompt,
+                    "".join(c.choices[0].text for c in chunks if c.choices),
+                    chunks[-1].choices[0].finish_reason,
+                )
+            )
         return got
 
     try:
@@ -92,8 +108,13 @@ def test_concurrent_streaming_clients_get_their_own_exact_output(tiny_server: Se
         sampler.join()
     chat_refs = {
         p: client.chat.completions.create(
-            model=TINY_NAME, messages=[{"role": "user", "content": p}], max_tokens=MAX_TOKENS,
-            temperature=0).choices[0].message.content
+            model=TINY_NAME,
+            messages=[{"role": "user", "content": p}],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+        )
+        .choices[0]
+        .message.content
         for p in {p.removeprefix("chat:") for p, _, _ in results if p.startswith("chat:")}
     }
     assert len(results) == CLIENTS * REQUESTS_EACH
@@ -120,8 +141,13 @@ def _wait_idle(server: Server, timeout: float) -> float:
 
 
 def test_disconnecting_clients_are_cancelled_and_server_keeps_serving(tiny_server: Server):
-    long = {"model": TINY_NAME, "prompt": "KING RICHARD III: Now is the winter",
-            "max_tokens": 480, "temperature": 0, "ignore_eos": True}
+    long = {
+        "model": TINY_NAME,
+        "prompt": "KING RICHARD III: Now is the winter",
+        "max_tokens": 480,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     before = _samples(tiny_server)
     hung_up = 0
     with tiny_server.http() as http:
@@ -143,13 +169,18 @@ def test_disconnecting_clients_are_cancelled_and_server_keeps_serving(tiny_serve
     assert hung_up == 4
     _wait_idle(tiny_server, 3.0)
     after = _samples(tiny_server)
-    cancelled = ("specdec_requests_total", (("endpoint", "/v1/completions"),
-                                            ("outcome", "cancelled")))
+    cancelled = (
+        "specdec_requests_total",
+        (("endpoint", "/v1/completions"), ("outcome", "cancelled")),
+    )
     assert after[cancelled] - before.get(cancelled, 0) == 4
-    made = after[("specdec_completion_tokens_total", ())] - before[
-        ("specdec_completion_tokens_total", ())]
+    made = (
+        after[("specdec_completion_tokens_total", ())]
+        - before[("specdec_completion_tokens_total", ())]
+    )
     assert made < 4 * 480 / 2, "abandoned requests were not decoded to the end"
-    ok = tiny_server.client().completions.create(model=TINY_NAME, prompt="hello", max_tokens=5,
-                                                 temperature=0)
+    ok = tiny_server.client().completions.create(
+        model=TINY_NAME, prompt="hello", max_tokens=5, temperature=0
+    )
     assert ok.usage.completion_tokens >= 1
     assert tiny_server.health()["status"] == "ok"

@@ -14,10 +14,16 @@ QUESTION = "Repeat this sentence exactly: The quick brown fox jumps over the laz
 
 @pytest.mark.slow
 def test_smol_chat_greedy_equals_cli_and_speculates(smol_dir: Path, tmp_path: Path) -> None:
-    reference = CliRun(smol_dir, QUESTION, "--chat", "-n", "24", "--method", "prompt-lookup")
+    reference = CliRun(smol_dir, QUESTION, "--chat", "-n", "24", "--speculator", "prompt-lookup")
     try:
-        args = ["--model", str(smol_dir), "--method", "prompt-lookup",
-                "--served-model-name", SMOL_NAME]
+        args = [
+            "--model",
+            str(smol_dir),
+            "--speculator",
+            "prompt-lookup",
+            "--served-model-name",
+            SMOL_NAME,
+        ]
         with run_server(args, tmp_path / "server.log") as server:
             client = server.client()
             messages = [{"role": "user", "content": QUESTION}]
@@ -27,7 +33,10 @@ def test_smol_chat_greedy_equals_cli_and_speculates(smol_dir: Path, tmp_path: Pa
             streamed = "".join(
                 c.choices[0].delta.content or ""
                 for c in client.chat.completions.create(
-                    model=SMOL_NAME, messages=messages, max_tokens=24, temperature=0,
+                    model=SMOL_NAME,
+                    messages=messages,
+                    max_tokens=24,
+                    temperature=0,
                     stream=True,
                 )
                 if c.choices

@@ -21,11 +21,12 @@ def test_suffix_cache_learns_across_requests_and_restarts(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     cache = tmp_path / "suffix.cache"
-    args = ["--model", str(tiny_model_dir), "--method", "suffix", "--suffix-cache", str(cache),
+    args = ["--model", str(tiny_model_dir), "--speculator", f"suffix:cache={cache}",
             "--served-model-name", TINY_NAME]  # fmt: skip
     with run_server(args, tmp_path / "first.log") as server:
         first_text, first = _complete(server)
         again_text, again = _complete(server)
+        assert server.health()["speculator"] == f"suffix:cache={cache}"
     assert first["method"] == "suffix"
     assert again_text == first_text and len(first_text) > 0
     assert again["target_forwards"] < first["target_forwards"]  # drafted from the first answer

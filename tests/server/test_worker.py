@@ -22,7 +22,7 @@ from specdec.server.worker import (
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: Path) -> SpeculativeEngine:
-    return SpeculativeEngine.from_pretrained(tiny_model_dir, method="prompt-lookup")
+    return SpeculativeEngine.from_pretrained(tiny_model_dir, speculator="prompt-lookup")
 
 
 async def _drain(job: Job) -> list[object]:
@@ -36,8 +36,9 @@ def test_fifo_bound_withdraw_cancel_and_queue_timeout(engine: SpeculativeEngine)
     ids = engine.encode("ROMEO: But soft, what light", chat=False)
     long_cfg = GenerationConfig(max_new_tokens=300, ignore_eos=True)
     short_cfg = GenerationConfig(max_new_tokens=12, ignore_eos=True)
-    expected = engine.generate("ROMEO: But soft, what light", chat=False, max_new_tokens=12,
-                               ignore_eos=True).token_ids
+    expected = engine.generate(
+        "ROMEO: But soft, what light", chat=False, max_new_tokens=12, ignore_eos=True
+    ).token_ids
 
     async def scenario() -> None:
         loop = asyncio.get_running_loop()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from specdec.errors import ConfigError, SpecDecError
 
+PLOTS_INSTALL = "pip install 'specdec[bench]'"  # the extra that brings matplotlib
+
 
 class BenchError(SpecDecError):
     """Base of benchmark-specific errors."""
@@ -20,3 +22,7 @@ class UnknownMethodError(BenchError, ConfigError):
 
 class UnknownCategoryError(BenchError, ConfigError):
     """A ``--categories`` entry is neither a task group nor a raw category of the data set."""
+
+
+class PlotsUnavailableError(BenchError):
+    """Plots were asked for, but matplotlib (the ``bench`` extra) is missing."""

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from specdec.bench.errors import PLOTS_INSTALL, PlotsUnavailableError
 from specdec.bench.stats import (
     NEAR_TIE_MARGIN,
     MethodSummary,
@@ -340,9 +341,24 @@ def render_markdown(
     return "\n".join(out)
 
 
+def plots_available() -> bool:
+    """Whether matplotlib (the ``bench`` extra) imports, so that a caller can say so before a
+    long run instead of failing after it."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def write_plots(records: Sequence[Record], out_dir: Path) -> list[Path]:
     """Grouped speedup bars, τ distribution, acceptance by position; returns the files."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise PlotsUnavailableError(
+            f"plots need matplotlib, which is not installed: {PLOTS_INSTALL}, or pass --no-plots"
+        ) from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -123,8 +123,11 @@ def load_questions(path: str | Path) -> Dataset:
     if not questions:
         raise DatasetError(
             f"dataset file {str(p)!r} holds no usable question"
-            + (f" ({len(bad)} malformed lines, first at line {bad[0].line}: {bad[0].reason})"
-               if bad else "")
+            + (
+                f" ({len(bad)} malformed lines, first at line {bad[0].line}: {bad[0].reason})"
+                if bad
+                else ""
+            )
         )
     return Dataset(p, tuple(questions), tuple(bad))
 

@@ -10,6 +10,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -20,13 +21,16 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from specdec.bench.errors import PLOTS_INSTALL
 from specdec.cli.common import (
     DtypeOpt,
     GgufOpt,
     KOpt,
     ModelOpt,
+    SpecHelpCommand,
     err_console,
-    load_engine,
+    load_target,
+    registered_speculators,
     user_errors,
 )
 
@@ -40,6 +44,29 @@ EXIT_BAD_LINES = 3  # the run finished, but malformed data set lines were skippe
 # Warm-up prompt, outside every data set: a speculator that learns across requests must not
 # have seen a benchmark answer before the first recorded run.
 WARMUP_PROMPT = "Name three colours."
+
+
+METHODS_HELP = (
+    "Comma-separated specs, each a speculator (as --speculator takes it: NAME or "
+    "NAME:KEY=VALUE,...) or a Hugging Face baseline (hf, hf-prompt-lookup, "
+    "hf-assisted:draft=DIR|layers:N); the report names each as written. Default: "
+    f"{DEFAULT_METHODS} ({QUICK_METHODS} with --quick)."
+)
+
+
+def _methods_help() -> str:
+    """``--methods`` help with the baselines and every registered speculator, computed when
+    shown (see :class:`SpecHelpCommand`)."""
+    from specdec.bench.methods import methods_help
+
+    listed = escape(f"{methods_help()}\n{registered_speculators()}")
+    return f"{METHODS_HELP}\n\n\b\n{listed}"
+
+
+class BenchCommand(SpecHelpCommand):
+    """``specdec bench``, whose ``--methods`` help lists what is registered when it is shown."""
+
+    lazy_help = {"methods": _methods_help}
 
 
 def _split(value: str | None) -> list[str] | None:
@@ -79,7 +106,7 @@ def _print_overall(console: Console, records: list[dict[str, Any]]) -> None:
         table.add_column(col, justify="left" if col == "method" else "right")
     for m in sums:
         table.add_row(
-            m.method,
+            escape(m.method),  # a spec's brackets are not rich markup
             f"{m.tokens_per_s.median:.2f}" if m.tokens_per_s else "–",
             f"{m.speedup_vs_none.median:.2f}×" if m.speedup_vs_none else "–",
             f"{m.speedup_vs_hf.median:.2f}×" if m.speedup_vs_hf else "–",
@@ -97,18 +124,14 @@ def bench(
     ] = None,
     methods: Annotated[
         str | None,
-        typer.Option(
-            help="Comma-separated: none, prompt-lookup, draft:layers:N | draft:DIR, "
-            "medusa:DIR[@TREE], eagle:DIR[@DEPTHxTOPKxTOTAL], lookahead[:WxNxG], "
-            "suffix[:CACHE_FILE], self[:LAYERS], hf, "
-            "hf-prompt-lookup, hf-assisted:layers:N | hf-assisted:DIR. Default: "
-            f"{DEFAULT_METHODS} ({QUICK_METHODS} with --quick).",
-        ),
+        typer.Option(metavar="SPEC,SPEC,...", help=METHODS_HELP),
     ] = None,
     categories: Annotated[
         str | None,
-        typer.Option(help="Comma-separated task groups (mt_bench, translation, summarization, "
-                     "qa, math_reasoning, rag) or raw categories (default: all)."),
+        typer.Option(
+            help="Comma-separated task groups (mt_bench, translation, summarization, "
+            "qa, math_reasoning, rag) or raw categories (default: all)."
+        ),
     ] = None,
     per_category: Annotated[
         int | None, typer.Option("--per-category", help="Questions per category (default: all).")
@@ -132,7 +155,12 @@ def bench(
             f"{EXIT_IDENTITY} if a method's greedy output differs from plain decoding.",
         ),
     ] = False,
-    plots: Annotated[bool, typer.Option("--plots/--no-plots", help="Write PNG plots.")] = True,
+    plots: Annotated[
+        bool,
+        typer.Option(
+            "--plots/--no-plots", help=f"Write PNG plots (needs {escape(PLOTS_INSTALL)})."
+        ),
+    ] = True,
     from_results: Annotated[
         Path | None,
         typer.Option(
@@ -147,11 +175,12 @@ def bench(
     3 finished, but malformed data set lines were skipped.
     """
     console = Console(stderr=True)
-    argv = sys.argv[sys.argv.index("bench"):] if "bench" in sys.argv else ["bench", "..."]
+    argv = sys.argv[sys.argv.index("bench") :] if "bench" in sys.argv else ["bench", "..."]
     command = "specdec " + " ".join(shlex.quote(a) for a in argv)
     with user_errors():
         from specdec.bench import report
 
+        asked, plots = plots, _plots_possible(plots)
         if from_results is not None:
             from specdec.bench.stats import complete_prompts
 
@@ -165,10 +194,48 @@ def bench(
                     "every method ran (an interrupted run)"
                 )
             path = report.write_report(records, out, meta, plots)
-            console.print(f"wrote {path}")
+            console.print(f"wrote {path}{_no_plots_note(asked, plots)}", highlight=False)
             return
-        _run(console, command, dataset, methods, categories, per_category, max_new_tokens,
-             repeats, out, model, gguf, dtype, num_draft_tokens, threads, quick, plots)
+        _run(
+            console,
+            command,
+            dataset,
+            methods,
+            categories,
+            per_category,
+            max_new_tokens,
+            repeats,
+            out,
+            model,
+            gguf,
+            dtype,
+            num_draft_tokens,
+            threads,
+            quick,
+            plots,
+            _no_plots_note(asked, plots),
+        )
+
+
+def _plots_possible(plots: bool) -> bool:
+    """``plots``, unless matplotlib is missing: then say so now, before a long run, and write
+    the report without plots rather than fail after the run."""
+    from specdec.bench.report import plots_available
+
+    if plots and not plots_available():
+        err_console.print(
+            f"[yellow]warning:[/] matplotlib is not installed, so the report will have no plots "
+            f"({escape(PLOTS_INSTALL)} to get them; --no-plots silences this)",
+            highlight=False,
+        )
+        return False
+    return plots
+
+
+def _no_plots_note(asked: bool, plots: bool) -> str:
+    """What the last line adds when plots were asked for but could not be drawn (rich markup
+    escaped: ``[bench]`` is not a style)."""
+    return f" (no plots: {escape(PLOTS_INSTALL)})" if asked and not plots else ""
 
 
 def _run(
@@ -188,6 +255,7 @@ def _run(
     threads: int | None,
     quick: bool,
     plots: bool,
+    plots_note: str = "",
 ) -> None:
     import torch
 
@@ -230,8 +298,7 @@ def _run(
             raise InvalidRequestError(f"--threads must be >= 1, got {threads}", "threads")
         torch.set_num_threads(threads)
 
-    engine = load_engine(model, gguf, "none", None, num_draft_tokens, dtype)
-    loaded = engine.loaded
+    loaded = load_target(model, gguf, dtype)
     runners = build_runners(loaded, specs, num_draft_tokens)
     prompt_ids = harness.encode_questions(loaded, questions, config.chat)
     env = harness.environment(loaded)
@@ -254,23 +321,28 @@ def _run(
         f"{max_new_tokens} new tokens; writing {out}/",
         highlight=False,
     )
-    with results_path.open("w", encoding="utf-8") as sink, Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("ETA"),
-        TimeRemainingColumn(),
-        console=console,
-    ) as progress:
+    with (
+        results_path.open("w", encoding="utf-8") as sink,
+        Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=console,
+        ) as progress,
+    ):
         task = progress.add_task("warm-up", total=total)
 
         def on_run(phase: str, rec: dict[str, Any] | None) -> None:
             if rec is not None:
                 sink.write(json.dumps(rec) + "\n")
                 sink.flush()
-                desc = (f"{rec['group']} q{rec['question_id']} {rec['method']}: "
-                        f"{rec['tokens_per_s']:.1f} tok/s")
+                desc = (
+                    f"{rec['group']} q{rec['question_id']} {escape(rec['method'])}: "
+                    f"{rec['tokens_per_s']:.1f} tok/s"
+                )
             else:
                 desc = "warm-up"
             progress.update(task, advance=1, description=desc)
@@ -297,12 +369,10 @@ def _run(
         )
     path = report.write_report(records, out, meta, plots)
     _print_overall(Console(), records)
-    console.print(f"wrote {results_path} and {path}")
-    unexplained = {
-        s.method: s.identity for s in stats.summarize(records) if s.identity.unexplained
-    }
+    console.print(f"wrote {results_path} and {path}{plots_note}", highlight=False)
+    unexplained = {s.method: s.identity for s in stats.summarize(records) if s.identity.unexplained}
     if unexplained:
-        names = ", ".join(f"{m} ({i.unexplained} prompts)" for m, i in unexplained.items())
+        names = ", ".join(f"{escape(m)} ({i.unexplained} prompts)" for m, i in unexplained.items())
         err_console.print(f"[bold red]identity:[/] output differs from plain decoding: {names}")
         if quick:
             raise typer.Exit(EXIT_IDENTITY)

@@ -33,8 +33,9 @@ def calibrate_self(
         list[str] | None,
         typer.Option(
             "--candidate",
-            help="A self_draft spec to try (repeatable; default: early exits and middle skip "
-            "windows derived from the layer count).",
+            help="Layers to try, as `--speculator self:layers=...` takes them (e.g. exit:8, "
+            "skip:10-25; repeatable; default: early exits and middle skip windows derived "
+            "from the layer count).",
         ),
     ] = None,
     adapter: Annotated[
@@ -57,7 +58,7 @@ def calibrate_self(
     """Measure candidate drafts (greedy, paired with plain decoding) and save the fastest.
 
     Stage 1 measures every layer choice without a confidence stop; stage 2 adds each threshold
-    to the two fastest. `--method self` without a self_draft then uses the saved choice."""
+    to the two fastest. `--speculator self` without layers= then uses the saved choice."""
     from rich.table import Table
     from tqdm import tqdm
 
@@ -84,8 +85,8 @@ def calibrate_self(
         rows += measure(loaded, staged, chosen, **kw)  # type: ignore[arg-type]
     rows.sort(key=lambda r: -r.speedup)
     table = Table(title=f"self-speculation on {len(chosen)} training prompts (greedy)")
-    for col in ("self_draft", "speedup", "tok/s", "plain tok/s", "τ", "acceptance"):
-        table.add_column(col, justify="left" if col == "self_draft" else "right")
+    for col in ("layers", "speedup", "tok/s", "plain tok/s", "τ", "acceptance"):
+        table.add_column(col, justify="left" if col == "layers" else "right")
     for r in rows:
         table.add_row(
             r.spec,
@@ -100,7 +101,8 @@ def calibrate_self(
     if best.speedup < 1.0:
         err_console.print(
             f"note: no candidate beat plain decoding here (best {best.spec}, "
-            f"{best.speedup:.2f}x); plain decoding (--method none) is faster on this machine"
+            f"{best.speedup:.2f}x); plain decoding (--speculator none) is faster on this "
+            "machine"
         )
     if save:
         details = {
@@ -116,7 +118,7 @@ def calibrate_self(
             ],
         }
         path = save_calibration(loaded, best.spec, details)
-        err_console.print(f"saved self_draft {best.spec} for this model in {path}")
+        err_console.print(f"saved self layers {best.spec} for this model in {path}")
 
 
 @calibrate_app.command("cost")
@@ -135,7 +137,7 @@ def calibrate_cost(
     dtype: DtypeOpt = "float32",
 ) -> None:
     """Measure the target's verification cost T(n), n = 1..64, for chains and trees, and save
-    it for this model, dtype and device. The adaptive draft length and `--method auto` start
+    it for this model, dtype and device. The adaptive draft length and `--speculator auto` start
     from these ratios T(n)/T(1) and keep refining them from the steps they time."""
     from rich.table import Table
     from tqdm import tqdm

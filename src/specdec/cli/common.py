@@ -6,10 +6,12 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
+from typer.core import TyperCommand, TyperOption
 
 from specdec.errors import SpecDecError
 
@@ -23,97 +25,52 @@ ModelOpt = Annotated[
     typer.Option("--model", help="Local Hugging Face model directory (default: bundled model)."),
 ]
 GgufOpt = Annotated[Path | None, typer.Option("--gguf", help="GGUF file to load as the target.")]
-MethodOpt = Annotated[
+SPECULATOR_HELP = (
+    "Speculator spec: NAME or NAME:KEY=VALUE,... (e.g. prompt-lookup, draft:layers:8, "
+    "medusa:DIR,tree=calibrated:32, auto:arms=suffix+prompt-lookup). "
+    "`--speculator help` or `specdec speculators` lists every speculator with its options."
+)
+
+
+def registered_speculators() -> str:
+    """Every registered speculator with its options, read from the registry when called, so
+    that a speculator registered after the CLI was imported (a plugin) is listed too."""
+    import specdec.speculators  # noqa: F401  (registers the built-in speculators)
+    from specdec.speculators.spec import registry_help
+
+    return registry_help()
+
+
+def speculator_help() -> str:
+    """The full ``--speculator`` help (``\\b`` keeps the list's line breaks in click)."""
+    return f"{SPECULATOR_HELP}\n\n\b\n{escape(registered_speculators())}"
+
+
+def _speculator_callback(value: str) -> str:
+    """``--speculator help`` prints the list of speculators and exits."""
+    if value.strip() in ("help", "list"):
+        typer.echo(registered_speculators())
+        raise typer.Exit(0)
+    return value
+
+
+SpeculatorOpt = Annotated[
     str,
     typer.Option(
-        "--method",
-        "-m",
-        help="Speculator: none | prompt-lookup | draft | medusa | eagle | lookahead | suffix "
-        "| self | auto (a controller picks one per step).",
-    ),
-]
-LookaheadOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--lookahead",
-        help="W,N,G for --method lookahead: window W, n-gram size N, G pool n-grams verified "
-        "per step (default: measured on a CPU).",
-    ),
-]
-SuffixCacheOpt = Annotated[
-    Path | None,
-    typer.Option(
-        "--suffix-cache",
-        help="File --method suffix loads at start and saves to, so the cache of earlier "
-        "outputs survives restarts.",
-    ),
-]
-SelfDraftOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--self-draft",
-        help="Layers --method self drafts with (e.g. exit:8, skip:10-25, adapter:DIR); "
-        "default: the choice `specdec calibrate self` saved for this model.",
-    ),
-]
-EagleOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--eagle",
-        help="EAGLE drafter directory for --method eagle (from `specdec train eagle`, or a "
-        "speculators / EAGLE-authors checkpoint for this model).",
-    ),
-]
-EagleTreeOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--eagle-tree",
-        help="DEPTH,TOPK,TOTAL of EAGLE-2's dynamic tree (default 5,4,24; the node count is "
-        "then sized per step by expected gain against verification cost).",
-    ),
-]
-AutoArmsOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--arms",
-        help="Speculators --method auto chooses from, e.g. prompt-lookup+suffix (default: "
-        "prompt lookup, suffix, lookahead, and medusa/draft/self when --medusa/--draft/"
-        "--self-draft is given).",
-    ),
-]
-OsdOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--osd",
-        help="Directory where --method osd (Medusa heads that keep learning from the requests "
-        "served, started from --medusa) keeps its adapted state; with --method auto it adds "
-        "that speculator.",
-    ),
-]
-MedusaOpt = Annotated[
-    str | None,
-    typer.Option("--medusa", help="Medusa checkpoint directory for --method medusa."),
-]
-TreeOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--tree",
-        help="Tree topology for tree speculators: calibrated[:NODES] (default, from the "
-        "checkpoint's measured head accuracies), a preset (chain, sparse-8/16/32/64) or a "
-        "JSON file of paths.",
+        "--speculator",
+        "-s",
+        metavar="SPEC",
+        help=SPECULATOR_HELP,
+        callback=_speculator_callback,
     ),
 ]
 TypicalOpt = Annotated[
     bool,
     typer.Option(
         "--typical",
-        help="Medusa's typical acceptance for sampled requests: faster, but LOSSY (output no "
-        "longer follows the target's distribution exactly). Greedy is unaffected.",
+        help="Typical acceptance for sampled requests: faster, but LOSSY (output no longer "
+        "follows the target's distribution exactly). Greedy is unaffected.",
     ),
-]
-DraftOpt = Annotated[
-    str | None,
-    typer.Option("--draft", help="Draft for --method draft: a model directory or layers:N."),
 ]
 KOpt = Annotated[int, typer.Option("--num-draft-tokens", "-k", help="Tokens drafted per step.")]
 DtypeOpt = Annotated[
@@ -137,7 +94,9 @@ AdaptiveOpt = Annotated[
 ResumeOpt = Annotated[
     bool, typer.Option("--resume", help="Continue from the last checkpoint in --out.")
 ]
-ThreadsOpt = Annotated[int | None, typer.Option("--threads", help="torch threads.")]
+ThreadsOpt = Annotated[
+    int | None, typer.Option("--threads", help="torch CPU threads (default: torch's choice).")
+]
 # shared by the trainers
 DataOpt = Annotated[
     Path, typer.Option("--data", help="Self-distilled data from `specdec data generate`.")
@@ -183,7 +142,8 @@ def user_errors() -> Iterator[None]:
     try:
         yield
     except SpecDecError as e:
-        err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        # escaped: a message quoting a spec ("[a,b:key=value]") is not rich markup
+        err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
     except KeyboardInterrupt:
         err_console.print("interrupted")
@@ -230,27 +190,54 @@ def _announce_conversion(model: Path | None, gguf: Path | None) -> None:
 def load_engine(
     model: Path | None,
     gguf: Path | None,
-    method: str,
-    draft: str | None,
+    speculator: str,
     num_draft_tokens: int,
     dtype: str,
     adaptive: bool = True,
-    **options: Any,
+    typical: bool = False,
+    threads: int | None = None,
 ) -> Any:
-    """Build the engine, telling the user about the one-time GGUF conversion."""
-    from specdec.engine import SpeculativeEngine
+    """Build the engine from the engine options generate and serve share, telling the user
+    about the one-time GGUF conversion. The spec is parsed first, so a bad one fails before
+    the model loads."""
+    from specdec.engine import SpeculativeEngine  # imports (registers) the speculators
+    from specdec.speculators.spec import parse_spec
 
+    options = parse_spec(speculator)
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(max(1, threads))
     _announce_conversion(model, gguf)
     return SpeculativeEngine.from_pretrained(
         model,
         gguf=gguf,
-        method=method,
-        draft=draft,
+        speculator=options,
         num_draft_tokens=num_draft_tokens,
         dtype=dtype,
         adaptive=adaptive,
-        **options,
+        typical_acceptance=typical,
     )
+
+
+class SpecHelpCommand(TyperCommand):
+    """A command whose options' help texts are computed when ``--help`` is shown
+    (``lazy_help``: option name -> text), not when the module is imported: the speculator
+    list then includes speculators registered after the CLI was imported."""
+
+    lazy_help: ClassVar[dict[str, Callable[[], str]]] = {"speculator": speculator_help}
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        for param in self.params:
+            make = self.lazy_help.get(param.name or "")
+            if make is not None and isinstance(param, TyperOption):
+                param.help = make()
+        super().format_help(ctx, formatter)
+
+
+def speculators() -> None:
+    """List every registered speculator with its options (what --speculator accepts)."""
+    typer.echo(registered_speculators())
 
 
 def run_guarded(fn: Callable[[], T]) -> T:

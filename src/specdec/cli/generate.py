@@ -12,22 +12,12 @@ from rich.table import Table
 
 from specdec.cli.common import (
     AdaptiveOpt,
-    AutoArmsOpt,
-    DraftOpt,
     DtypeOpt,
-    EagleOpt,
-    EagleTreeOpt,
     GgufOpt,
     KOpt,
-    LookaheadOpt,
-    MedusaOpt,
-    MethodOpt,
     ModelOpt,
-    OsdOpt,
-    SelfDraftOpt,
-    SuffixCacheOpt,
+    SpeculatorOpt,
     ThreadsOpt,
-    TreeOpt,
     TypicalOpt,
     err_console,
     load_engine,
@@ -55,20 +45,10 @@ def generate(
     prompt: Annotated[str, typer.Argument(help="The prompt text.")],
     model: ModelOpt = None,
     gguf: GgufOpt = None,
-    method: MethodOpt = "prompt-lookup",
-    draft: DraftOpt = None,
+    speculator: SpeculatorOpt = "prompt-lookup",
     num_draft_tokens: KOpt = 5,
     adaptive: AdaptiveOpt = True,
-    medusa: MedusaOpt = None,
-    tree: TreeOpt = None,
     typical: TypicalOpt = False,
-    lookahead: LookaheadOpt = None,
-    suffix_cache: SuffixCacheOpt = None,
-    self_draft: SelfDraftOpt = None,
-    arms: AutoArmsOpt = None,
-    osd: OsdOpt = None,
-    eagle: EagleOpt = None,
-    eagle_tree: EagleTreeOpt = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n")] = 128,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
@@ -94,28 +74,8 @@ def generate(
 ) -> None:
     """Generate text with speculative decoding."""
     with user_errors():
-        if threads:
-            import torch
-
-            torch.set_num_threads(max(1, threads))
         engine = load_engine(
-            model,
-            gguf,
-            method,
-            draft,
-            num_draft_tokens,
-            dtype,
-            adaptive,
-            medusa=medusa,
-            tree=tree,
-            typical_acceptance=typical,
-            lookahead=lookahead,
-            suffix_cache=str(suffix_cache) if suffix_cache else None,
-            self_draft=self_draft,
-            auto_arms=arms,
-            osd=osd,
-            eagle=eagle,
-            eagle_tree=eagle_tree,
+            model, gguf, speculator, num_draft_tokens, dtype, adaptive, typical, threads
         )
         use_chat = (
             chat if chat is not None else bool(getattr(engine.tokenizer, "chat_template", None))

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import typer
 
-from specdec.cli.bench import bench
+from specdec.cli.bench import BenchCommand, bench
 from specdec.cli.calibrate import calibrate_app
+from specdec.cli.common import SpecHelpCommand, speculators
 from specdec.cli.data import data_app
+from specdec.cli.export import export_app
 from specdec.cli.generate import generate
 from specdec.cli.serve import serve
 from specdec.cli.train import train_app
@@ -18,12 +20,14 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-app.command()(generate)
-app.command()(serve)
-app.command()(bench)
+app.command(cls=SpecHelpCommand)(generate)
+app.command(cls=SpecHelpCommand)(serve)
+app.command(cls=BenchCommand)(bench)
+app.command()(speculators)
 app.add_typer(data_app, name="data")
 app.add_typer(train_app, name="train")
 app.add_typer(calibrate_app, name="calibrate")
+app.add_typer(export_app, name="export")
 
 
 @app.callback()

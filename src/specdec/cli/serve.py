@@ -6,24 +6,17 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from specdec.cli.common import (
     AdaptiveOpt,
-    AutoArmsOpt,
-    DraftOpt,
     DtypeOpt,
-    EagleOpt,
-    EagleTreeOpt,
     GgufOpt,
     KOpt,
-    LookaheadOpt,
-    MedusaOpt,
-    MethodOpt,
     ModelOpt,
-    OsdOpt,
-    SelfDraftOpt,
-    SuffixCacheOpt,
-    TreeOpt,
+    SpeculatorOpt,
+    ThreadsOpt,
+    TypicalOpt,
     err_console,
     load_engine,
     user_errors,
@@ -44,20 +37,12 @@ def _served_name(model: Path | None, gguf: Path | None) -> str:
 def serve(
     model: ModelOpt = None,
     gguf: GgufOpt = None,
-    method: MethodOpt = "prompt-lookup",
-    draft: DraftOpt = None,
+    speculator: SpeculatorOpt = "prompt-lookup",
     num_draft_tokens: KOpt = 5,
     adaptive: AdaptiveOpt = True,
-    medusa: MedusaOpt = None,
-    tree: TreeOpt = None,
-    lookahead: LookaheadOpt = None,
-    suffix_cache: SuffixCacheOpt = None,
-    self_draft: SelfDraftOpt = None,
-    arms: AutoArmsOpt = None,
-    osd: OsdOpt = None,
-    eagle: EagleOpt = None,
-    eagle_tree: EagleTreeOpt = None,
+    typical: TypicalOpt = False,
     dtype: DtypeOpt = "float32",
+    threads: ThreadsOpt = None,
     host: Annotated[
         str, typer.Option(help="Interface to listen on (loopback by default).")
     ] = "127.0.0.1",
@@ -72,10 +57,6 @@ def serve(
     request_timeout: Annotated[
         float, typer.Option(help="Seconds a request may spend queued plus decoding.")
     ] = 300.0,
-    threads: Annotated[
-        int | None,
-        typer.Option(help="Torch CPU threads for the engine (default: torch's choice)."),
-    ] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
@@ -85,36 +66,19 @@ def serve(
     from specdec.server import ServerConfig, create_app
 
     with user_errors():
-        if threads is not None:
-            import torch
-
-            torch.set_num_threads(max(1, threads))
         config = ServerConfig(
             model_name=served_model_name or _served_name(model, gguf),
+            speculator=speculator,
             max_queue=max_queue,
             request_timeout=request_timeout,
         )
         engine = load_engine(
-            model,
-            gguf,
-            method,
-            draft,
-            num_draft_tokens,
-            dtype,
-            adaptive,
-            medusa=medusa,
-            tree=tree,
-            lookahead=lookahead,
-            suffix_cache=str(suffix_cache) if suffix_cache else None,
-            self_draft=self_draft,
-            auto_arms=arms,
-            osd=osd,
-            eagle=eagle,
-            eagle_tree=eagle_tree,
+            model, gguf, speculator, num_draft_tokens, dtype, adaptive, typical, threads
         )
         app = create_app(engine, config)
     err_console.print(
-        f"serving {config.model_name!r} (method {engine.method}) on http://{host}:{port}/v1",
+        f"serving {config.model_name!r} (speculator {escape(speculator)}) on "
+        f"http://{host}:{port}/v1",
         highlight=False,
     )
     # One process, one engine: requests are queued, never spread over worker processes.

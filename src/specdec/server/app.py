@@ -167,7 +167,9 @@ class _Service:
                 stop=body.stop_strings(),
                 ignore_eos=body.ignore_eos,
                 sampling=SamplingConfig(
-                    temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                    temperature=body.temperature,
+                    top_p=body.top_p,
+                    top_k=body.top_k,
                     seed=body.seed,
                 ),
             )
@@ -193,8 +195,10 @@ class _Service:
         if prompt and all(isinstance(p, str) for p in prompt):
             if len(prompt) != 1:
                 raise APIError(
-                    400, "batched prompts are not supported; send one prompt per request",
-                    param="prompt", code="invalid_value",
+                    400,
+                    "batched prompts are not supported; send one prompt per request",
+                    param="prompt",
+                    code="invalid_value",
                 )
             return self._encode(str(prompt[0]), chat=False, param="prompt")
         ids = [int(t) for t in prompt]
@@ -202,7 +206,9 @@ class _Service:
             raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
         if any(not 0 <= t < self.vocab_size for t in ids):
             raise APIError(
-                400, f"token ids must lie in [0, {self.vocab_size})", param="prompt",
+                400,
+                f"token ids must lie in [0, {self.vocab_size})",
+                param="prompt",
                 code="invalid_value",
             )
         return ids
@@ -214,7 +220,9 @@ class _Service:
             raise errors.from_engine_error(e, {"prompt": param}) from None
         except jinja2.TemplateError as e:  # e.g. a template that insists roles alternate
             raise APIError(
-                400, f"the model's chat template rejected the messages: {e}", param="messages",
+                400,
+                f"the model's chat template rejected the messages: {e}",
+                param="messages",
                 code="invalid_value",
             ) from None
 
@@ -238,9 +246,7 @@ class _Service:
         return _Run(self, prepared, job)
 
     # -- stage 4: respond -----------------------------------------------------------------------
-    async def respond(
-        self, prepared: _Prepared, request: Request, render: _Renderer
-    ) -> Response:
+    async def respond(self, prepared: _Prepared, request: Request, render: _Renderer) -> Response:
         run = self.admit(prepared)
         try:
             await _closing_on_failure(run, run.wait_started(request))
@@ -408,9 +414,7 @@ class _Run:
         m.prompt_tokens.inc(stats.prompt_tokens)
         m.completion_tokens.inc(stats.new_tokens)
         m.speculation(stats)
-        if (
-            self._first_at is not None and self._last_at is not None and stats.new_tokens > 1
-        ):
+        if self._first_at is not None and self._last_at is not None and stats.new_tokens > 1:
             m.tpot.observe((self._last_at - self._first_at) / (stats.new_tokens - 1))
 
 
@@ -468,9 +472,12 @@ def _speculation(method: str, final: _Final) -> Speculation:
 class _CompletionRenderer:
     def whole(self, p: _Prepared, text: str, final: _Final, method: str) -> dict[str, Any]:
         return CompletionResponse(
-            id=p.id, created=p.created, model=p.model,
+            id=p.id,
+            created=p.created,
+            model=p.model,
             choices=[CompletionChoice(text=text, finish_reason=final.finish_reason)],
-            usage=Usage.of(final.stats), speculation=_speculation(method, final),
+            usage=Usage.of(final.stats),
+            speculation=_speculation(method, final),
         ).model_dump(mode="json")
 
     def opening(self, p: _Prepared) -> BaseModel | None:
@@ -478,20 +485,27 @@ class _CompletionRenderer:
 
     def chunk(self, p: _Prepared, text: str) -> BaseModel:
         return CompletionResponse(
-            id=p.id, created=p.created, model=p.model,
+            id=p.id,
+            created=p.created,
+            model=p.model,
             choices=[CompletionChoice(text=text, finish_reason=None)],
         )
 
     def closing(self, p: _Prepared, final: _Final, method: str) -> BaseModel:
         return CompletionResponse(
-            id=p.id, created=p.created, model=p.model,
+            id=p.id,
+            created=p.created,
+            model=p.model,
             choices=[CompletionChoice(text="", finish_reason=final.finish_reason)],
             speculation=_speculation(method, final),
         )
 
     def usage(self, p: _Prepared, final: _Final) -> BaseModel:
         return CompletionResponse(
-            id=p.id, created=p.created, model=p.model, choices=[],
+            id=p.id,
+            created=p.created,
+            model=p.model,
+            choices=[],
             usage=Usage.of(final.stats),
         )
 
@@ -499,13 +513,16 @@ class _CompletionRenderer:
 class _ChatRenderer:
     def whole(self, p: _Prepared, text: str, final: _Final, method: str) -> dict[str, Any]:
         return ChatCompletionResponse(
-            id=p.id, created=p.created, model=p.model,
+            id=p.id,
+            created=p.created,
+            model=p.model,
             choices=[
                 ChatChoice(
                     message=AssistantMessage(content=text), finish_reason=final.finish_reason
                 )
             ],
-            usage=Usage.of(final.stats), speculation=_speculation(method, final),
+            usage=Usage.of(final.stats),
+            speculation=_speculation(method, final),
         ).model_dump(mode="json")
 
     def opening(self, p: _Prepared) -> BaseModel | None:
@@ -516,20 +533,27 @@ class _ChatRenderer:
 
     def closing(self, p: _Prepared, final: _Final, method: str) -> BaseModel:
         return ChatCompletionChunk(
-            id=p.id, created=p.created, model=p.model,
+            id=p.id,
+            created=p.created,
+            model=p.model,
             choices=[ChatChunkChoice(delta=Delta(), finish_reason=final.finish_reason)],
             speculation=_speculation(method, final),
         )
 
     def usage(self, p: _Prepared, final: _Final) -> BaseModel:
         return ChatCompletionChunk(
-            id=p.id, created=p.created, model=p.model, choices=[],
+            id=p.id,
+            created=p.created,
+            model=p.model,
+            choices=[],
             usage=Usage.of(final.stats),
         )
 
     def _chunk(self, p: _Prepared, delta: Delta) -> ChatCompletionChunk:
         return ChatCompletionChunk(
-            id=p.id, created=p.created, model=p.model,
+            id=p.id,
+            created=p.created,
+            model=p.model,
             choices=[ChatChunkChoice(delta=delta)],
         )
 
@@ -565,6 +589,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
             "status": "ok" if alive else "unavailable",
             "model": config.model_name,
             "method": service.method,
+            "speculator": config.speculator or service.method,
             "context_length": service.context_length,
             "queue_depth": len(service.worker.queue),
             "queue_capacity": config.max_queue,
@@ -580,8 +605,11 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     def card() -> ModelCard:
         return ModelCard(
-            id=config.model_name, created=service.started,
-            context_length=service.context_length, speculation_method=service.method,
+            id=config.model_name,
+            created=service.started,
+            context_length=service.context_length,
+            speculation_method=service.method,
+            speculator=config.speculator or service.method,
         )
 
     @app.get("/v1/models")
@@ -592,7 +620,9 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     async def model(model_id: str) -> ModelCard:
         if model_id != config.model_name:
             raise APIError(
-                404, f"the model {model_id!r} does not exist", param="model",
+                404,
+                f"the model {model_id!r} does not exist",
+                param="model",
                 code="model_not_found",
             )
         return card()

@@ -15,10 +15,13 @@ class ServerConfig:
     new request is refused at once with 429 and a Retry-After estimate, instead of piling up
     memory and latency. ``request_timeout`` (seconds) covers queueing plus decoding, so a client
     never waits forever behind a long request. ``default_max_tokens`` caps a chat request that
-    gives no limit (OpenAI's default would run to the end of the context).
+    gives no limit (OpenAI's default would run to the end of the context). ``speculator`` is the
+    spec the engine was built from (``specdec serve --speculator``), reported by ``/health`` and
+    ``/v1/models`` next to the speculator's name, so an operator sees its options too.
     """
 
     model_name: str
+    speculator: str | None = None
     max_queue: int = 64
     request_timeout: float = 300.0
     default_completion_tokens: int = 16  # OpenAI's default for /v1/completions

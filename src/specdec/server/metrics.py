@@ -20,8 +20,23 @@ from prometheus_client import (
 from specdec.metrics import RequestStats
 
 _LATENCY_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-    10.0, 30.0,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
 )
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TAU_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0)
@@ -37,35 +52,42 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "specdec_requests", "Requests by endpoint and outcome "
-            "(ok, cancelled, timeout, rejected, invalid, error).",
-            ["endpoint", "outcome"], registry=r,
+            "specdec_requests",
+            "Requests by endpoint and outcome (ok, cancelled, timeout, rejected, invalid, error).",
+            ["endpoint", "outcome"],
+            registry=r,
         )
         self.prompt_tokens = Counter(
             "specdec_prompt_tokens", "Prompt tokens of admitted requests.", registry=r
         )
         self.completion_tokens = Counter(
-            "specdec_completion_tokens", "Generated tokens (including those of requests "
-            "cancelled midway).", registry=r,
+            "specdec_completion_tokens",
+            "Generated tokens (including those of requests cancelled midway).",
+            registry=r,
         )
         self.ttft = Histogram(
             "specdec_time_to_first_token_seconds",
             "From request admission (queueing included) to its first generated token.",
-            buckets=_TTFT_BUCKETS, registry=r,
+            buckets=_TTFT_BUCKETS,
+            registry=r,
         )
         self.itl = Histogram(
             "specdec_inter_token_latency_seconds",
             "Gap between consecutive streamed chunks of a request (one engine step).",
-            buckets=_LATENCY_BUCKETS, registry=r,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.tpot = Histogram(
             "specdec_time_per_output_token_seconds",
             "A request's decode time after its first token divided by its remaining tokens.",
-            buckets=_LATENCY_BUCKETS, registry=r,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.queue_wait = Histogram(
-            "specdec_queue_wait_seconds", "Time a request waited for the engine.",
-            buckets=_TTFT_BUCKETS, registry=r,
+            "specdec_queue_wait_seconds",
+            "Time a request waited for the engine.",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
         )
         self.queue_depth = Gauge(
             "specdec_queue_depth", "Requests waiting for the engine.", registry=r
@@ -73,26 +95,36 @@ class ServerMetrics:
         self.tau = Histogram(
             "specdec_mean_accepted_tokens",
             "Per request τ: tokens committed per target forward pass.",
-            ["method"], buckets=_TAU_BUCKETS, registry=r,
+            ["method"],
+            buckets=_TAU_BUCKETS,
+            registry=r,
         )
         self.drafted = Counter(
             "specdec_drafted_tokens", "Draft tokens proposed.", ["method"], registry=r
         )
         self.accepted = Counter(
-            "specdec_accepted_tokens", "Draft tokens accepted by verification.", ["method"],
+            "specdec_accepted_tokens",
+            "Draft tokens accepted by verification.",
+            ["method"],
             registry=r,
         )
         self.forwards = Counter(
-            "specdec_target_forwards", "Target forward (verification) passes.", ["method"],
+            "specdec_target_forwards",
+            "Target forward (verification) passes.",
+            ["method"],
             registry=r,
         )
         self.acceptance_rate = Gauge(
-            "specdec_acceptance_rate", "Accepted / drafted tokens since start.", ["method"],
+            "specdec_acceptance_rate",
+            "Accepted / drafted tokens since start.",
+            ["method"],
             registry=r,
         )
         self.mean_accepted = Gauge(
-            "specdec_tau", "τ since start: committed tokens per target forward pass.",
-            ["method"], registry=r,
+            "specdec_tau",
+            "τ since start: committed tokens per target forward pass.",
+            ["method"],
+            registry=r,
         )
         self._totals = [0, 0, 0, 0]  # drafted, accepted, forwards, committed
 

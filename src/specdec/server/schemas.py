@@ -210,6 +210,7 @@ class ModelCard(BaseModel):
     owned_by: str = "specdec"
     context_length: int
     speculation_method: str
+    speculator: str  # the full spec, options included
 
 
 class ModelList(BaseModel):
