@@ -119,7 +119,6 @@ def eagle(
             config,
             resume=resume,
             progress=tqdm,
-            log=tqdm.write,
             verifier_name=verifier,
         )
     per_step = " ".join(f"{a:.3f}" for a in result.step_accuracy)

@@ -81,9 +81,7 @@ def medusa(
         )
         loaded = load_target(model, gguf, dtype, threads)
         dataset = select_categories(load_data(data, loaded), categories, exclude_categories)
-        result = train_medusa(
-            loaded, dataset, out, config, resume=resume, progress=tqdm, log=tqdm.write
-        )
+        result = train_medusa(loaded, dataset, out, config, resume=resume, progress=tqdm)
     top = "  ".join(
         f"head {k + 1}: top-1 {t:.3f} ({a[0]:.3f} after a right chain)"
         for k, (t, a) in enumerate(zip(result.top1, result.accuracy, strict=True))

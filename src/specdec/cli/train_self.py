@@ -74,9 +74,7 @@ def self_exit(
         )
         loaded = load_target(model, gguf, dtype, threads)
         dataset = select_categories(load_data(data, loaded), categories, exclude_categories)
-        result = train_self_exit(
-            loaded, dataset, out, config, resume=resume, progress=tqdm, log=tqdm.write
-        )
+        result = train_self_exit(loaded, dataset, out, config, resume=resume, progress=tqdm)
     err_console.print(
         f"saved {out} after {result.steps} steps in {result.seconds:.0f} s "
         f"({result.train_positions} train / {result.held_out_positions} held-out positions); "

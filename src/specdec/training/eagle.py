@@ -29,12 +29,11 @@ parallel; feature extraction runs on the main process first and the others read 
 from __future__ import annotations
 
 import os
-import random
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -51,18 +50,12 @@ from specdec.heads.eagle import (
 )
 from specdec.target.loading import DEFAULT_GGUF_NAME, DEFAULT_MODEL_HUB_ID, LoadedModel
 from specdec.target.numerics import dense_weight
-from specdec.training.checkpoint import (
-    check_schedule,
-    load_training_state,
-    save_training_state,
-    warmup_then_linear,
-)
+from specdec.training.checkpoint import CheckpointStore, check_schedule, run_identity
 from specdec.training.data import Record, SelfDistilledData
 from specdec.training.feature_cache import features_per_record
+from specdec.training.loop import Evaluation, StepOutput, TrainTask, train_epochs
 from specdec.training.medusa import draft_vocabulary
 from specdec.training.progress import NullBar, ProgressFactory
-
-CHECKPOINT = "training_state.pt"
 
 
 @dataclass(frozen=True)
@@ -310,7 +303,7 @@ class Readout:
     def logits(self, head: EagleHead, state: torch.Tensor) -> torch.Tensor:
         if self.rows is None:
             return head.logits(state)
-        return state @ head.readout[self.rows].T
+        return state @ cast(torch.Tensor, head.readout)[self.rows].T
 
 
 def readout_for(head: EagleHead, config: EagleTrainConfig, records: Sequence[Record]) -> Readout:
@@ -423,7 +416,7 @@ def build_head(
         speculative_tokens=config.speculative_tokens,
         fc_bias=config.variant == "eagle1",
     )
-    emb = loaded.model.get_input_embeddings().weight.detach()
+    emb = cast(torch.Tensor, loaded.model.get_input_embeddings().weight).detach()
     lm_head = dense_weight(loaded.model.get_output_embeddings())
     head = EagleHead(ec, emb, lm_head)
     if reduced:
@@ -431,6 +424,42 @@ def build_head(
     norm = getattr(getattr(loaded.model, "model", None), "norm", None)
     head.init_from_target(getattr(norm, "weight", None), lm_head)
     return head
+
+
+class _EagleTask(TrainTask):
+    """The training-time-test unroll on cached features; held-out chain acceptance."""
+
+    def __init__(
+        self,
+        head: EagleHead,
+        train: SequenceFeatures,
+        held: SequenceFeatures,
+        readout: Readout,
+        config: EagleTrainConfig,
+        accel: Any,
+    ) -> None:
+        self.module = self.head = head
+        self.train, self.held, self.readout, self.config = train, held, readout, config
+        self.accel = accel
+        self.device = accel.device
+
+    def loss(self, batch: list[int]) -> StepOutput:
+        # each data-parallel process takes its own share of the batch
+        share = batch[self.accel.process_index :: self.accel.num_processes] or batch
+        feats = collate(self.train, share, self.device)
+        stats = unroll(self.head, feats, self.readout.to(self.device), self.config)
+        return StepOutput(stats.loss, {"loss": float(stats.loss.detach())})
+
+    def evaluate(self, step: int, last: dict[str, float]) -> Evaluation:
+        acc, tau = evaluate(self.head, self.held, self.readout, self.config)
+        per = " ".join(f"{a:.3f}" for a in acc)
+        figures = {
+            **last,
+            "simulated_tau": tau,
+            **{f"acc_step{j + 1}": a for j, a in enumerate(acc)},
+        }
+        loss = f"loss {last['loss']:.3f}, " if "loss" in last else ""
+        return Evaluation(figures, f"step {step}: {loss}held-out τ {tau:.2f} (per step {per})")
 
 
 def train_eagle(
@@ -441,7 +470,6 @@ def train_eagle(
     *,
     resume: bool = False,
     progress: ProgressFactory = NullBar,
-    log: Any = None,
     verifier_name: str | None = None,
 ) -> EagleTrainResult:
     """Train an EAGLE drafter for ``loaded`` on ``data``; save it in the speculators format."""
@@ -476,60 +504,21 @@ def train_eagle(
     feature_seconds = time.perf_counter() - t0
     head = build_head(loaded, config, train_recs)
     readout = readout_for(head, config, train_recs)
-    device = accel.device
     to_draft = readout.to_draft
     labels = torch.cat([t[f + 1 :] for t, f in zip(train.tokens, train.first_label, strict=True)])
     coverage = float((to_draft[labels] >= 0).float().mean()) if len(labels) else 0.0
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
-    per_epoch = max(1, len(train) // config.batch_sequences)
-    total_steps = config.max_steps or max(1, round(config.epochs * per_epoch))
-    sched = warmup_then_linear(opt, total_steps)
-    step = 0
-    history: list[dict[str, float]] = []
-    state_path = out / CHECKPOINT
-    if resume and state_path.is_file():
-        step, history = load_training_state(state_path, head, opt, sched)
-    head, opt = accel.prepare(head, opt)
-    core: EagleHead = accel.unwrap_model(head)
-    rng = random.Random(config.seed * 7919 + step)
-    order: list[int] = []
-    bar = progress(total=total_steps, initial=step, desc=f"training {config.variant}", unit="step")
-    head.train()
-    try:
-        while step < total_steps:
-            if len(order) < config.batch_sequences:
-                fresh = list(range(len(train)))
-                rng.shuffle(fresh)
-                order += fresh
-            idx = order[: config.batch_sequences]
-            del order[: config.batch_sequences]
-            # each data-parallel process takes its own share of the batch
-            share = idx[accel.process_index :: accel.num_processes] or idx
-            stats = unroll(core, collate(train, share, device), readout.to(device), config)
-            opt.zero_grad(set_to_none=True)
-            accel.backward(stats.loss)
-            accel.clip_grad_norm_(params, 1.0)
-            opt.step()
-            sched.step()
-            step += 1
-            loss_value = float(stats.loss.detach())
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss_value:.3f}")
-            if step % config.eval_every == 0 or step == total_steps:
-                acc, tau = evaluate(core, held, readout, config)
-                entry = {"step": float(step), "loss": loss_value, "simulated_tau": tau}
-                entry.update({f"acc_step{j + 1}": a for j, a in enumerate(acc)})
-                history.append(entry)
-                if log is not None:
-                    per = " ".join(f"{a:.3f}" for a in acc)
-                    log(
-                        f"step {step}: loss {loss_value:.3f}, held-out τ {tau:.2f} (per step {per})"
-                    )
-            if step % config.checkpoint_every == 0 and step < total_steps and accel.is_main_process:
-                save_training_state(state_path, core, opt, sched, step, history)
-    finally:
-        bar.close()
+    store = CheckpointStore(out, run_identity("eagle", loaded, data, config))
+    prepared, opt = accel.prepare(head, opt)
+    core: EagleHead = accel.unwrap_model(prepared)
+    run = train_epochs(
+        _EagleTask(core, train, held, readout, config, accel), opt, store, config,
+        examples=len(train), batch=config.batch_sequences, desc=f"training {config.variant}",
+        eval_every=config.eval_every, grad_clip=1.0, resume=resume, progress=progress,
+        accelerator=accel,
+    )  # fmt: skip
+    step, history = run.state.step, run.state.history
     acc, tau = evaluate(core, held, readout, config)
     seconds = time.perf_counter() - started
     if accel.is_main_process:
@@ -556,7 +545,7 @@ def train_eagle(
                 }
             },
         )
-        state_path.unlink(missing_ok=True)
+        store.discard()
     return EagleTrainResult(
         out_dir=out,
         steps=step,

@@ -15,13 +15,11 @@ budget's best tree from them.
 from __future__ import annotations
 
 import os
-import random
 import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -30,18 +28,12 @@ from specdec.heads.medusa import IGNORE, MedusaConfig, MedusaHeads
 from specdec.speculators.medusa import best_sized_topology
 from specdec.target.loading import LoadedModel
 from specdec.target.numerics import dense_weight
-from specdec.training.checkpoint import (
-    check_schedule,
-    load_training_state,
-    save_training_state,
-    warmup_then_linear,
-)
+from specdec.training.checkpoint import CheckpointStore, check_schedule, run_identity
 from specdec.training.data import Record, SelfDistilledData
 from specdec.training.feature_cache import features_per_record
+from specdec.training.loop import Evaluation, StepOutput, TrainTask, train_epochs
 from specdec.training.progress import NullBar, ProgressFactory
 from specdec.tree.topology import Topology, accepted_lengths
-
-CHECKPOINT = "training_state.pt"
 
 
 @dataclass(frozen=True)
@@ -235,6 +227,42 @@ def teacher_probs(
     return torch.softmax(logits, dim=-1)
 
 
+class _MedusaTask(TrainTask):
+    """Heads on cached features: loss decayed over the heads, held-out top-1 per head."""
+
+    def __init__(
+        self,
+        heads: MedusaHeads,
+        train: Features,
+        held: Features,
+        teacher: torch.Tensor | None,
+        config: MedusaTrainConfig,
+    ) -> None:
+        self.module = self.heads = heads
+        self.train, self.held, self.teacher = train, held, teacher
+        self.soft_weight = config.soft_weight
+        self.weights = torch.tensor([config.head_decay**k for k in range(config.num_heads)])
+
+    def loss(self, batch: list[int]) -> StepOutput:
+        idx = torch.tensor(batch)
+        h = self.train.hidden[idx].float()  # [B, H]
+        labels = self.train.labels[idx]  # [B, K]
+        soft = None
+        if self.teacher is not None:
+            soft = teacher_probs(self.train.hidden, idx, labels, self.teacher)
+        loss = self.heads.loss(h, labels, self.weights, soft, self.soft_weight)
+        return StepOutput(loss, {"loss": float(loss.detach())})
+
+    def evaluate(self, step: int, last: dict[str, float]) -> Evaluation:
+        self.heads.eval()
+        _, acc = head_accuracy(self.heads, self.held, 1)
+        self.heads.train()
+        shown = " ".join(f"{a[0]:.3f}" for a in acc)
+        figures = {**last, **{f"top1_head{k + 1}": a[0] for k, a in enumerate(acc)}}
+        loss = f"loss {last['loss']:.3f}, " if "loss" in last else ""
+        return Evaluation(figures, f"step {step}: {loss}held-out top-1 per head {shown}")
+
+
 def train_medusa(
     loaded: LoadedModel,
     data: SelfDistilledData,
@@ -243,7 +271,6 @@ def train_medusa(
     *,
     resume: bool = False,
     progress: ProgressFactory = NullBar,
-    log: Any = None,
     held_out_records: Sequence[Record] | None = None,
 ) -> MedusaTrainResult:
     """Train Medusa-1 heads for ``loaded`` on ``data`` and save them in ``out_dir``.
@@ -303,53 +330,15 @@ def train_medusa(
     valid = train.labels != IGNORE
     coverage = float((heads.to_draft_ids(train.labels) != IGNORE)[valid].float().mean())
     opt = torch.optim.AdamW(heads.parameters(), lr=config.lr, weight_decay=0.0)
-    steps_per_epoch = max(1, len(train) // config.batch_positions)
-    total_steps = config.max_steps or max(1, round(config.epochs * steps_per_epoch))
-    sched = warmup_then_linear(opt, total_steps)
-    step = 0
-    history: list[dict[str, float]] = []
-    state_path = out / CHECKPOINT
-    if resume and state_path.is_file():
-        step, history = load_training_state(state_path, heads, opt, sched)
-    weights = torch.tensor([config.head_decay**k for k in range(config.num_heads)])  # [K]
-    rng = random.Random(config.seed * 7919 + step)
-    order: list[int] = []
-    bar = progress(total=total_steps, initial=step, desc="training medusa", unit="step")
-    heads.train()
-    try:
-        while step < total_steps:
-            if len(order) < config.batch_positions:
-                fresh = list(range(len(train)))
-                rng.shuffle(fresh)
-                order += fresh
-            idx = torch.tensor(order[: config.batch_positions])
-            del order[: config.batch_positions]
-            h = train.hidden[idx].float()  # [B, H]
-            labels = train.labels[idx]  # [B, K]
-            soft = None if teacher is None else teacher_probs(train.hidden, idx, labels, teacher)
-            loss = heads.loss(h, labels, weights, soft, config.soft_weight)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            step += 1
-            loss_value = float(loss.detach())
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss_value:.3f}")
-            if step % config.eval_every == 0 or step == total_steps:
-                heads.eval()
-                _, acc = head_accuracy(heads, held, 1)
-                heads.train()
-                entry = {"step": float(step), "loss": loss_value}
-                entry.update({f"top1_head{k + 1}": a[0] for k, a in enumerate(acc)})
-                history.append(entry)
-                if log is not None:
-                    shown = " ".join(f"{a[0]:.3f}" for a in acc)
-                    log(f"step {step}: loss {loss_value:.3f}, held-out top-1 per head {shown}")
-            if step % config.checkpoint_every == 0 and step < total_steps:
-                save_training_state(state_path, heads, opt, sched, step, history)
-    finally:
-        bar.close()
+    store = CheckpointStore(
+        out, run_identity("medusa", loaded, data, config, held_out=held_out_records)
+    )
+    run = train_epochs(
+        _MedusaTask(heads, train, held, teacher, config), opt, store, config,
+        examples=len(train), batch=config.batch_positions, desc="training medusa",
+        eval_every=config.eval_every, resume=resume, progress=progress,
+    )  # fmt: skip
+    step, history = run.state.step, run.state.history
     heads.eval()
     accuracy, plain = head_accuracy(heads, held, config.eval_ranks)
     top1 = [row[0] for row in plain]
@@ -378,7 +367,7 @@ def train_medusa(
             }
         },
     )
-    state_path.unlink(missing_ok=True)
+    store.discard()
     return MedusaTrainResult(
         out_dir=out,
         steps=step,

@@ -11,29 +11,21 @@ cross-entropy with soft targets p restricted to those ids, up to a constant.
 from __future__ import annotations
 
 import os
-import random
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from specdec.errors import ConfigError, DataError
 from specdec.heads.self_exit import PrefixHead, SelfExitAdapter, SelfExitConfig, head_rows
 from specdec.target.loading import LoadedModel
-from specdec.training.checkpoint import (
-    check_schedule,
-    load_training_state,
-    save_training_state,
-    warmup_then_linear,
-)
+from specdec.training.checkpoint import CheckpointStore, check_schedule, run_identity
 from specdec.training.data import Record, SelfDistilledData
 from specdec.training.feature_cache import fingerprint, load_cached, save_cached
+from specdec.training.loop import Evaluation, StepOutput, TrainTask, train_epochs
 from specdec.training.progress import NullBar, ProgressFactory
-
-CHECKPOINT = "training_state.pt"
 
 
 @dataclass(frozen=True)
@@ -147,7 +139,7 @@ def kl_loss(target_logp: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tens
 
     >>> p = torch.log_softmax(torch.tensor([[2.0, 0.0]]), -1)
     >>> round(float(kl_loss(p, torch.tensor([[2.0, 0.0]]))), 4)  # entropy of p
-    0.2539
+    0.3653
     """
     return -(target_logp.exp() * torch.log_softmax(draft_logits, -1)).sum(-1).mean()
 
@@ -165,6 +157,31 @@ def agreement(
     return hit / max(len(feats), 1)
 
 
+class _SelfExitTask(TrainTask):
+    """The adapter against the target's distribution (KL); held-out argmax agreement."""
+
+    def __init__(
+        self, adapter: SelfExitAdapter, heads: _Heads, train: ExitFeatures, held: ExitFeatures
+    ) -> None:
+        self.module = self.adapter = adapter
+        self.heads, self.train, self.held = heads, train, held
+
+    def loss(self, batch: list[int]) -> StepOutput:
+        idx = torch.tensor(batch)
+        loss = kl_loss(
+            self.heads.target_logp(self.train.final_hidden[idx]),
+            self.heads.draft_logits(self.adapter, self.train.exit_hidden[idx]),
+        )
+        return StepOutput(loss, {"loss": float(loss.detach())})
+
+    def evaluate(self, step: int, last: dict[str, float]) -> Evaluation:
+        self.adapter.eval()
+        agree = agreement(self.heads, self.adapter, self.held)
+        self.adapter.train()
+        message = f"held-out agreement with the target after {step} steps: {agree:.3f}"
+        return Evaluation({"agreement": agree}, message)
+
+
 def train_self_exit(
     loaded: LoadedModel,
     data: SelfDistilledData,
@@ -173,7 +190,6 @@ def train_self_exit(
     *,
     resume: bool = False,
     progress: ProgressFactory = NullBar,
-    log: Any = None,
 ) -> SelfExitTrainResult:
     """Train an exit adapter after ``config.layer`` layers of ``loaded`` and save it."""
     started = time.perf_counter()
@@ -207,44 +223,14 @@ def train_self_exit(
     adapter = SelfExitAdapter(econfig)
     heads = _Heads(loaded, econfig.draft_vocab)
     opt = torch.optim.AdamW(adapter.parameters(), lr=config.lr, weight_decay=0.0)
-    steps_per_epoch = max(1, len(train) // config.batch_positions)
-    total_steps = config.max_steps or max(1, round(config.epochs * steps_per_epoch))
-    sched = warmup_then_linear(opt, total_steps)
-    step = 0
-    state_path = out / CHECKPOINT
-    if resume and state_path.is_file():
-        step, _ = load_training_state(state_path, adapter, opt, sched)
-    rng = random.Random(config.seed * 7919 + step)
-    order: list[int] = []
-    bar = progress(total=total_steps, initial=step, desc="training self exit", unit="step")
-    adapter.train()
-    try:
-        while step < total_steps:
-            if len(order) < config.batch_positions:
-                fresh = list(range(len(train)))
-                rng.shuffle(fresh)
-                order += fresh
-            idx = torch.tensor(order[: config.batch_positions])
-            del order[: config.batch_positions]
-            loss = kl_loss(
-                heads.target_logp(train.final_hidden[idx]),
-                heads.draft_logits(adapter, train.exit_hidden[idx]),
-            )
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            step += 1
-            bar.update(1)
-            bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
-            if step % config.checkpoint_every == 0 and step < total_steps:
-                save_training_state(state_path, adapter, opt, sched, step)
-    finally:
-        bar.close()
-    adapter.eval()
-    agree = agreement(heads, adapter, held)
-    if log is not None:
-        log(f"held-out agreement with the target after {step} steps: {agree:.3f}")
+    store = CheckpointStore(out, run_identity("self-exit", loaded, data, config))
+    run = train_epochs(
+        _SelfExitTask(adapter, heads, train, held), opt, store, config,
+        examples=len(train), batch=config.batch_positions, desc="training self exit",
+        resume=resume, progress=progress,
+    )  # fmt: skip
+    step = run.state.step
+    agree = run.state.history[-1]["agreement"]
     adapter.config = SelfExitConfig(**{**asdict(econfig), "agreement": round(agree, 4)})
     seconds = time.perf_counter() - started
     adapter.save(
@@ -262,7 +248,7 @@ def train_self_exit(
             }
         },
     )
-    state_path.unlink(missing_ok=True)
+    store.discard()
     return SelfExitTrainResult(
         out, step, len(train), len(held), agree, adapter.num_bytes(), seconds
     )
