@@ -129,6 +129,6 @@ def draft(
         highlight=False,
     )
     err_console.print(
-        f"draft saved in {out}; try `specdec generate --method draft --draft {out} --compare`",
+        f"draft saved in {out}; try `specdec generate --speculator draft:{out} --compare`",
         highlight=False,
     )

@@ -55,7 +55,7 @@ def self_exit(
 ) -> None:
     """Train an exit adapter (target frozen) to match the target's distribution (KL).
 
-    Use it with `--method self` and self_draft `adapter:OUT`, or let `specdec calibrate self`
+    Use it with `--speculator self:adapter:OUT`, or let `specdec calibrate self`
     compare it with layer-skip drafts."""
     from specdec.cli.common import load_target
     from specdec.training.data import load_data

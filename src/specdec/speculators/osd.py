@@ -23,7 +23,7 @@ topology stays fixed). The saved state records the accuracies, so a restored lea
 from the tree it had.
 
 Lossless: the heads only propose; the target verifies every draft as for static Medusa.
-Guardrail: under ``--method auto`` with both static Medusa heads and this speculator, the
+Guardrail: under ``auto`` with both static Medusa heads and this speculator, the
 controller does not choose it while its first-position acceptance is below the static one's.
 """
 

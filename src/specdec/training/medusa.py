@@ -8,7 +8,7 @@ with the head index (0.8^k, as in the Medusa paper): later heads are less accura
 less, since their nodes are only reached when earlier ones were accepted.
 
 The held-out evaluation measures, per head, the probability that its rank-r candidate is the
-right token; the checkpoint stores these figures and ``--tree calibrated`` builds the node
+right token; the checkpoint stores these figures and ``medusa:DIR,tree=calibrated`` builds the node
 budget's best tree from them.
 """
 
@@ -84,7 +84,7 @@ class MedusaTrainResult:
     top1: list[float]  # [K]: P(head k's first candidate is right), unconditionally
     # 1 + mean accepted drafts of the cost-sized calibrated tree on held-out positions
     simulated_tau: float
-    tree_nodes: int  # that tree's size (what `--tree calibrated` serves)
+    tree_nodes: int  # that tree's size (what `tree=calibrated` serves at the prior costs)
     seconds: float
     feature_seconds: float
     history: list[dict[str, float]] = field(default_factory=list)

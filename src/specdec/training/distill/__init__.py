@@ -18,13 +18,13 @@ of a step) on every later epoch. Held-out figures always use the exact, full p.
 
 Initialisation: when the student keeps the target's hidden size it starts as the target's
 embeddings, first ``layers`` decoder layers, final norm and LM head, which is exactly the
-untrained early-exit draft (``--draft layers:N``); training starts from that draft's acceptance.
+untrained early-exit draft (``draft:layers:N``); training starts from that draft's acceptance.
 Its embeddings and LM head then stay frozen by default (``train_embeddings``): they are most
 of its weights, and the layers learn to land in the space the target's head reads. A narrower
 student starts from random weights and trains everything.
 
 Output: an ordinary Hugging Face model directory (config.json, model.safetensors, tokenizer,
-generation_config.json) that ``specdec generate --method draft --draft DIR`` and
+generation_config.json) that ``specdec generate --speculator draft:DIR`` and
 ``model.generate(assistant_model=...)`` load, plus ``specdec_training.json`` (the target's
 identity, the data, the settings and the held-out agreement) and ``checkpoint/`` (the shared
 format of :mod:`specdec.training.checkpoint`) for ``resume=True``.
