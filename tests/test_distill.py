@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from specdec import SpeculativeEngine
 from specdec.cli.main import app
 from specdec.errors import CheckpointError, ConfigError, DataError
+from specdec.speculators import options_for
 from specdec.target import early_exit_model, load_model
 from specdec.testing import model_fingerprint
 from specdec.training.data import Record, generate_data, load_data
@@ -181,8 +182,8 @@ def test_draft_method_with_the_trained_draft_is_lossless(tiny_model_dir: Path, t
     _, out, _ = trained
     # float64, as in the equivalence tests: no argmax near-tie can flip between pass shapes
     engine = SpeculativeEngine.from_pretrained(
-        tiny_model_dir, method="draft", draft=str(out), num_draft_tokens=4, adaptive=False,
-        dtype="float64",
+        tiny_model_dir, speculator=options_for("draft", model=str(out)), num_draft_tokens=4,
+        adaptive=False, dtype="float64",
     )  # fmt: skip
     accepted = 0
     for prompt in ("ROMEO: But soft, what light", "the king and the queen", "Speak of love"):

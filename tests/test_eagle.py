@@ -9,6 +9,7 @@ exact equality of token ids.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from specdec import SpeculativeEngine
+from specdec.control.budget import CostModel
 from specdec.errors import CheckpointError, ConfigError
 from specdec.heads.eagle import (
     EagleConfig,
@@ -25,7 +27,7 @@ from specdec.heads.eagle import (
     extend_kv,
     layer_config_from,
 )
-from specdec.speculators import DraftContext
+from specdec.speculators import DraftContext, options_for
 from specdec.speculators.eagle import EagleSpeculator, EagleTree
 from specdec.target import HFTarget, LoadedModel, load_model
 from specdec.target.numerics import dense_weight
@@ -115,13 +117,25 @@ def test_target_keeps_the_requested_hidden_layers(tiny):
 
 
 # -- the dynamic tree ----------------------------------------------------------------------------
-def _context(tiny: LoadedModel, tokens: list[int], layers: Sequence[int]) -> DraftContext:
+def verify_costs(slope: float) -> CostModel:
+    """Frozen verification costs T(n)/T(1) = 1 + slope (n - 1): slope 0 makes every node free."""
+    return CostModel(prior_slope=slope, frozen=True)
+
+
+FREE = verify_costs(0.0)
+
+
+def _context(
+    tiny: LoadedModel, tokens: list[int], layers: Sequence[int], costs: CostModel | None = FREE
+) -> DraftContext:
     target = HFTarget(tiny)
     target.enable_features(layers)
     target.begin(tokens)
     from specdec.config import SamplingConfig
 
-    return DraftContext(tokens, len(tokens), SamplingConfig(), make_generator(0), target.features)
+    return DraftContext(
+        tokens, len(tokens), SamplingConfig(), make_generator(0), target.features, costs
+    )
 
 
 @pytest.mark.parametrize("variant", ["eagle1", "eagle3"])
@@ -129,14 +143,14 @@ def test_every_tree_node_is_drafted_from_its_own_path(tiny, variant):
     """The tree mask lets each expanded node see the committed prefix and its ancestors only:
     its state equals running the (same, drafting) head causally along its own path."""
     head = random_head(tiny, variant)
-    spec = EagleSpeculator(head, EagleTree(depth=4, top_k=3, total_tokens=30, cost_slope=0.0))
+    spec = EagleSpeculator(head, EagleTree(depth=4, top_k=3, total_tokens=30))
     tokens = [5, 17, 42, 8, 9, 11, 60]
     context = _context(tiny, tokens, head.config.aux_layers)
     with torch.no_grad():
         h_root = spec.absorb(context)
         assert h_root is not None
         committed = spec._past
-        nodes = spec._expand(h_root, root_pos=len(tokens) - 1)
+        nodes = spec._expand(h_root, root_pos=len(tokens) - 1, slope=0.0)  # nodes are free
         deep = [i for i, n in enumerate(nodes) if n.depth == 4]
         assert deep and len({nodes[i].parent for i in deep}) > 1  # it branched
         for leaf in deep[:4]:
@@ -163,14 +177,16 @@ def test_every_tree_node_is_drafted_from_its_own_path(tiny, variant):
 def test_selection_is_ancestor_closed_capped_and_priced(tiny):
     head = random_head(tiny, "eagle3")
     tokens = [5, 17, 42, 8, 9]
-    free = EagleSpeculator(head, EagleTree(depth=4, top_k=3, total_tokens=9, cost_slope=0.0))
-    tree = free.propose(_context(tiny, tokens, head.config.aux_layers), budget=100)
+    tree9 = EagleTree(depth=4, top_k=3, total_tokens=9)
+    free = EagleSpeculator(head, tree9)
+    tree = free.propose(_context(tiny, tokens, head.config.aux_layers, FREE), budget=100)
     assert len(tree) == 10  # the cap, all of it: nodes are free
     assert all(p < i for i, p in enumerate(tree.parents))
     siblings = [tuple(tree.tokens[c] for c in ch) for ch in tree.children]
     assert all(len(set(s)) == len(s) for s in siblings)
-    costly = EagleSpeculator(head, EagleTree(depth=4, top_k=3, total_tokens=9, cost_slope=5.0))
-    tree = costly.propose(_context(tiny, tokens, head.config.aux_layers), budget=100)
+    costly = EagleSpeculator(head, tree9)
+    context = _context(tiny, tokens, head.config.aux_layers, verify_costs(5.0))
+    tree = costly.propose(context, budget=100)
     assert len(tree) == 1  # an untrained drafter's tree cannot pay for itself
     assert len(free.propose(_context(tiny, tokens, head.config.aux_layers), budget=3)) == 4
 
@@ -182,7 +198,7 @@ def test_a_saved_and_reloaded_drafter_proposes_the_same_trees(tiny, variant, tmp
     head = random_head(tiny, variant, seed=4)
     save_eagle(head, tmp_path, verifier_name_or_path="tiny", verifier_architectures=["Llama"])
     loaded = load_eagle(tmp_path, tiny)
-    tree = EagleTree(depth=4, top_k=3, total_tokens=12, cost_slope=0.0)
+    tree = EagleTree(depth=4, top_k=3, total_tokens=12)  # drafted in free contexts: all kept
     tokens = [5, 17, 42, 8, 9, 11]
     for t in (tokens, tokens + [60, 61]):
         a = EagleSpeculator(head, tree).propose(_context(tiny, t, head.config.aux_layers), 50)
@@ -247,7 +263,7 @@ def test_training_raises_simulated_tau(tiny, data_dir, trained):
 
 def test_trained_drafter_is_lossless_greedy_and_accepts(tiny, trained):
     _, out, _ = trained
-    engine = SpeculativeEngine.from_pretrained(tiny, method="eagle", eagle=str(out))
+    engine = SpeculativeEngine.from_pretrained(tiny, speculator=options_for("eagle", dir=str(out)))
     accepted = 0
     for prompt in PROMPTS[:3]:
         plain = engine.generate(prompt, max_new_tokens=30, ignore_eos=True, speculate=False)
@@ -261,7 +277,7 @@ def test_trained_drafter_is_lossless_greedy_and_accepts(tiny, trained):
 
 def test_sampled_eagle_is_seeded(tiny, trained):
     _, out, _ = trained
-    engine = SpeculativeEngine.from_pretrained(tiny, method="eagle", eagle=str(out))
+    engine = SpeculativeEngine.from_pretrained(tiny, speculator=options_for("eagle", dir=str(out)))
     a = engine.generate(PROMPTS[1], max_new_tokens=20, temperature=0.9, seed=3)
     b = engine.generate(PROMPTS[1], max_new_tokens=20, temperature=0.9, seed=3)
     assert a.token_ids == b.token_ids and a.stats.lossless
@@ -284,6 +300,9 @@ class _StopAt:
     def set_postfix(self, *args, **kwargs) -> None:
         pass
 
+    def write(self, *args, **kwargs) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -295,18 +314,20 @@ def test_an_interrupted_run_resumes_from_its_checkpoint(tiny, data_dir, tmp_path
     cfg = _train_config("eagle3", max_steps=4, eval_every=2, checkpoint_every=2)
     with pytest.raises(KeyboardInterrupt):
         train_eagle(tiny, data, tmp_path, cfg, progress=_StopAt)
-    assert (tmp_path / "training_state.pt").is_file()
+    state = tmp_path / "checkpoint" / "state.json"
+    assert state.is_file()
     resumed = train_eagle(tiny, data, tmp_path, cfg, resume=True)
     assert [h["step"] for h in resumed.history] == [2.0, 4.0]  # step 2 came from the checkpoint
-    assert not (tmp_path / "training_state.pt").exists()
-    (tmp_path / "training_state.pt").write_bytes(b"broken")
+    assert not state.exists()
+    state.parent.mkdir()
+    state.write_bytes(b"broken")
     with pytest.raises(CheckpointError, match="cannot resume"):
         train_eagle(tiny, data, tmp_path, cfg, resume=True)
 
 
 def test_bad_settings_fail_fast(tiny):
-    with pytest.raises(ConfigError, match="needs --eagle"):
-        SpeculativeEngine.from_pretrained(tiny, method="eagle")
+    with pytest.raises(ConfigError, match="needs dir="):
+        SpeculativeEngine.from_pretrained(tiny, speculator="eagle")
     with pytest.raises(ConfigError, match="variant"):
         EagleTrainConfig(variant="eagle2")
     with pytest.raises(ConfigError, match="out of range"):
@@ -325,6 +346,8 @@ class FeatureMarkovTarget(MarkovTarget):
         self.rows = torch.randn(table.shape[0], width, generator=torch.Generator().manual_seed(5))
         self._features: torch.Tensor | None = None
         self._tree: DraftTree | None = None
+
+    provides_features = True
 
     def enable_features(self, layers: Sequence[int] = (-1,)) -> None:
         pass
@@ -346,10 +369,12 @@ class FeatureMarkovTarget(MarkovTarget):
 
 
 class CountingEagle(EagleSpeculator):
+    """Drafts at free verification costs (every node pays: full trees), counting branching."""
+
     branching = 0
 
     def propose(self, context, budget):
-        tree = super().propose(context, budget)
+        tree = super().propose(dataclasses.replace(context, costs=FREE), budget)
         if any(len(c) >= 2 for c in tree.children):
             CountingEagle.branching += 1
         return tree
@@ -377,7 +402,7 @@ def test_eagle_trees_sample_exactly_the_target_distribution():
         config, torch.randn(V, hidden, generator=g), torch.randn(V, hidden, generator=g)
     )
     CountingEagle.branching = 0
-    speculator = CountingEagle(head, EagleTree(depth=3, top_k=2, total_tokens=6, cost_slope=0.0))
+    speculator = CountingEagle(head, EagleTree(depth=3, top_k=2, total_tokens=6))
     target, _ = tables()
     engine = SpeculativeEngine(
         FeatureMarkovTarget(target, hidden), word_tokenizer(V), speculator, adaptive=False
@@ -387,7 +412,7 @@ def test_eagle_trees_sample_exactly_the_target_distribution():
     assert CountingEagle.branching > 1000
 
 
-LOCKSTEP_TREE = EagleTree(depth=3, top_k=3, total_tokens=8, cost_slope=0.0)
+LOCKSTEP_TREE = EagleTree(depth=3, top_k=3, total_tokens=8)  # drafted at FREE costs
 
 
 def drafting_every_step(tiny: LoadedModel, head: EagleHead, steps: int):
@@ -403,7 +428,7 @@ def drafting_every_step(tiny: LoadedModel, head: EagleHead, steps: int):
     target.begin(tokens)
     rule, sampling = rule_for(SamplingConfig()), SamplingConfig()
     for step in range(steps):
-        ctx = DraftContext(list(tokens), 5, sampling, make_generator(0), target.features)
+        ctx = DraftContext(list(tokens), 5, sampling, make_generator(0), target.features, FREE)
         drafted = every.propose(ctx, 50)
         yield step, ctx, drafted
         acceptance = rule.accept(drafted, target.verify(drafted), sampling, make_generator(0))
@@ -427,11 +452,11 @@ def test_auto_defers_watching_to_one_batch_before_drafting(tiny):
     """``auto`` does not run the drafter's cache update on every step (a few ms each, paid even
     when another arm drafts): it keeps the steps' feature rows and absorbs them in one pass
     when EAGLE drafts. The trees equal those of a drafter that absorbed every step."""
-    from specdec.speculators.auto import AutoSpeculator
+    from specdec.control.arms import ArmController
 
     head = random_head(tiny, "eagle3", seed=2)
     deferred = EagleSpeculator(head, LOCKSTEP_TREE)
-    auto = AutoSpeculator([deferred], num_layers=tiny.model.config.num_hidden_layers)
+    auto = ArmController([deferred], num_layers=tiny.model.config.num_hidden_layers)
     for step, ctx, drafted in drafting_every_step(tiny, head, 10):
         auto._watch("eagle", deferred, ctx)
         if step % 4 == 3:

@@ -15,6 +15,7 @@ import torch
 
 from specdec import SpeculativeEngine
 from specdec.errors import ConfigError
+from specdec.speculators import parse_spec
 from specdec.speculators.lookahead import (
     LookaheadConfig,
     LookaheadSpeculator,
@@ -80,11 +81,19 @@ def test_shared_prefixes_are_one_node():
 
 
 def test_config_parsing_and_bad_values():
-    assert LookaheadConfig.parse("5,4,6").window == 5
-    assert LookaheadConfig.parse(None) == LookaheadConfig()
-    for bad in ["5,4", "a,b,c", "0,3,3", "3,1,3"]:
+    parsed = parse_spec("lookahead:window=5,ngram=4,guesses=6")
+    assert parsed == LookaheadConfig(window=5, ngram=4, guesses=6) and parsed.window == 5
+    assert parse_spec("lookahead") == LookaheadConfig()
+    bad_specs = [
+        "lookahead:5,4",  # values without keys
+        "lookahead:window=a,ngram=b,guesses=c",  # not integers
+        "lookahead:window=0",  # W >= 1
+        "lookahead:ngram=1",  # N >= 2
+        "lookahead:guesses=9",  # more guesses than the pool keeps per key (8)
+    ]
+    for bad in bad_specs:
         with pytest.raises(ConfigError):
-            LookaheadConfig.parse(bad)
+            parse_spec(bad)
 
 
 @pytest.fixture(scope="module")
@@ -92,11 +101,18 @@ def tiny64(tiny_model_dir: Path):
     return load_model(tiny_model_dir, dtype="float64")
 
 
-@pytest.mark.parametrize("setting", ["4,3,4", "2,2,1", "3,5,5"])
+@pytest.mark.parametrize(
+    "setting",
+    [
+        "lookahead:window=4,ngram=3,guesses=4",
+        "lookahead:window=2,ngram=2,guesses=1",
+        "lookahead:window=3,ngram=5,guesses=5",
+    ],
+)
 def test_greedy_equals_plain(tiny64, setting):
     from tests.test_equivalence_tiny import PROMPTS
 
-    engine = SpeculativeEngine.from_pretrained(tiny64, method="lookahead", lookahead=setting)
+    engine = SpeculativeEngine.from_pretrained(tiny64, speculator=setting)
     accepted = 0
     for prompt in PROMPTS:
         plain = engine.generate(prompt, max_new_tokens=40, ignore_eos=True, speculate=False)

@@ -14,6 +14,7 @@ from specdec import SpeculativeEngine
 from specdec.config import GenerationConfig, SamplingConfig
 from specdec.errors import CheckpointError, ConfigError, DataError
 from specdec.heads.medusa import IGNORE, MedusaConfig, MedusaHeads, candidate_hits, load_medusa
+from specdec.speculators import options_for
 from specdec.target import HFTarget, ModelRunner, load_model
 from specdec.training.data import generate_data, load_data, load_prompts, prompt_order
 from specdec.training.medusa import MedusaTrainConfig, train_medusa
@@ -244,13 +245,15 @@ def test_checkpoint_errors(tiny, medusa_dir: Path, tmp_path, tiny_draft_dir):
     with pytest.raises(CheckpointError, match="truncated or corrupt"):
         load_medusa(broken)
     with pytest.raises(CheckpointError, match="another"):
-        SpeculativeEngine.from_pretrained(tiny_draft_dir, method="medusa", medusa=str(medusa_dir))
+        SpeculativeEngine.from_pretrained(
+            tiny_draft_dir, speculator=options_for("medusa", dir=str(medusa_dir))
+        )
     with pytest.raises(ConfigError, match="only 3 heads"):
         SpeculativeEngine.from_pretrained(
-            tiny, method="medusa", medusa=str(medusa_dir), tree="sparse-64"
+            tiny, speculator=options_for("medusa", dir=str(medusa_dir), tree="sparse-64")
         )
-    with pytest.raises(ConfigError, match="needs --medusa"):
-        SpeculativeEngine.from_pretrained(tiny, method="medusa")
+    with pytest.raises(ConfigError, match="needs dir="):
+        SpeculativeEngine.from_pretrained(tiny, speculator="medusa")
 
 
 # -- decoding with Medusa trees ------------------------------------------------------------------
@@ -263,7 +266,7 @@ def test_medusa_greedy_equals_plain_decoding(tiny, medusa_dir: Path, tree: str, 
         tree = str(tmp_path / "chain.json")
         Path(tree).write_text("[[0], [0, 0], [0, 0, 0]]")
     engine = SpeculativeEngine.from_pretrained(
-        tiny, method="medusa", medusa=str(medusa_dir), tree=tree
+        tiny, speculator=options_for("medusa", dir=str(medusa_dir), tree=tree)
     )
     for prompt in PROMPTS[:3]:
         plain = engine.generate(prompt, max_new_tokens=40, ignore_eos=True, speculate=False)
@@ -275,18 +278,22 @@ def test_medusa_greedy_equals_plain_decoding(tiny, medusa_dir: Path, tree: str, 
 
 def test_medusa_accepts_on_training_prompts(tiny, medusa_dir: Path):
     """On the prompts it was trained on, the heads draft tokens that get accepted (tau > 1)."""
-    engine = SpeculativeEngine.from_pretrained(tiny, method="medusa", medusa=str(medusa_dir))
+    engine = SpeculativeEngine.from_pretrained(
+        tiny, speculator=options_for("medusa", dir=str(medusa_dir))
+    )
     res = engine.generate(PROMPTS[0], max_new_tokens=24, chat=True)
     assert res.stats.mean_accepted > 1.0
 
 
 def test_medusa_sampling_is_seeded_and_lossless_flagged(tiny, medusa_dir: Path):
-    engine = SpeculativeEngine.from_pretrained(tiny, method="medusa", medusa=str(medusa_dir))
+    engine = SpeculativeEngine.from_pretrained(
+        tiny, speculator=options_for("medusa", dir=str(medusa_dir))
+    )
     a = engine.generate(PROMPTS[1], max_new_tokens=20, temperature=0.9, seed=3)
     b = engine.generate(PROMPTS[1], max_new_tokens=20, temperature=0.9, seed=3)
     assert a.token_ids == b.token_ids and a.stats.lossless
     typical = SpeculativeEngine.from_pretrained(
-        tiny, method="medusa", medusa=str(medusa_dir), typical_acceptance=True
+        tiny, speculator=options_for("medusa", dir=str(medusa_dir)), typical_acceptance=True
     )
     c = typical.generate(PROMPTS[1], max_new_tokens=20, temperature=0.9, seed=3)
     assert not c.stats.lossless and c.stats.to_dict()["lossless"] is False

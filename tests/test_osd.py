@@ -17,7 +17,8 @@ import torch
 from specdec import SpeculativeEngine
 from specdec.errors import CheckpointError, ConfigError
 from specdec.heads.medusa import MedusaConfig, MedusaHeads, load_medusa
-from specdec.speculators.medusa import best_sized_topology, resolve_topology
+from specdec.speculators import options_for, parse_spec
+from specdec.speculators.medusa import best_sized_topology, head_accuracy
 from specdec.speculators.osd import OnlineConfig, OnlineMedusaSpeculator, OnlineTrainer
 from specdec.target import HFTarget, load_model
 from specdec.tree.topology import expected_accepted, generic_profile, load_topology
@@ -58,7 +59,7 @@ def test_learns_from_traffic_and_stays_lossless_while_swapping(tiny64, heads_dir
     plain decoding, weights are swapped many times, each proposal used one published copy,
     and no published copy was ever modified after publication (so no step saw a mixture)."""
     engine = SpeculativeEngine.from_pretrained(
-        tiny64, method="osd", medusa=str(heads_dir), osd=str(tmp_path / "state")
+        tiny64, speculator=options_for("osd", heads=str(heads_dir), state=str(tmp_path / "state"))
     )
     spec = engine.speculator
     assert isinstance(spec, OnlineMedusaSpeculator)
@@ -118,7 +119,7 @@ def test_save_and_restore(tiny64, heads_dir, tmp_path):
     spec.save(tmp_path / "state")
     spec.save(tmp_path / "state")  # replacing an existing state
     restored = SpeculativeEngine.from_pretrained(
-        tiny64, method="osd", medusa=str(heads_dir), osd=str(tmp_path / "state")
+        tiny64, speculator=options_for("osd", heads=str(heads_dir), state=str(tmp_path / "state"))
     ).speculator
     assert fingerprint(restored.trainer.published.heads) == fingerprint(
         spec.trainer.published.heads
@@ -127,10 +128,12 @@ def test_save_and_restore(tiny64, heads_dir, tmp_path):
 
 
 def test_bad_configurations(tiny64, other_vocab_model_dir, tmp_path):
-    with pytest.raises(ConfigError, match="--medusa"):
-        SpeculativeEngine.from_pretrained(tiny64, method="osd")
+    with pytest.raises(ConfigError, match="osd:heads=DIR"):
+        SpeculativeEngine.from_pretrained(tiny64, speculator="osd")
     with pytest.raises(CheckpointError):
-        SpeculativeEngine.from_pretrained(tiny64, method="osd", medusa=str(other_vocab_model_dir))
+        SpeculativeEngine.from_pretrained(
+            tiny64, speculator=options_for("osd", heads=str(other_vocab_model_dir))
+        )
     with pytest.raises(ConfigError):
         OnlineConfig(batch=0)
     with pytest.raises(ConfigError, match="warmup"):
@@ -152,10 +155,14 @@ def test_learning_rate_warms_up(heads_dir):
 
 
 def test_auto_guards_the_learner_with_the_static_heads(tiny64, heads_dir, tmp_path):
-    engine = SpeculativeEngine.from_pretrained(
-        tiny64, method="auto", medusa=str(heads_dir), osd=str(tmp_path / "s")
+    arms = (
+        *(parse_spec(n) for n in ("prompt-lookup", "suffix", "lookahead")),
+        options_for("medusa", dir=str(heads_dir)),
+        options_for("osd", heads=str(heads_dir), state=str(tmp_path / "s")),
     )
-    auto = engine.speculator
+    engine = SpeculativeEngine.from_pretrained(tiny64, speculator=options_for("auto", arms=arms))
+    auto = engine.arms
+    assert auto is not None
     assert {"medusa", "osd"} <= set(auto.arms)
     assert next(s for s in auto.specs if s.name == "osd").guard == "medusa"
     for prompt in PROMPTS:
@@ -215,7 +222,7 @@ def test_the_tree_is_resized_from_accuracy_measured_before_training(heads_dir):
 
 def test_a_restored_learner_starts_from_its_resized_tree(tiny64, heads_dir, tmp_path):
     engine = SpeculativeEngine.from_pretrained(
-        tiny64, method="osd", medusa=str(heads_dir), osd=str(tmp_path / "state")
+        tiny64, speculator=options_for("osd", heads=str(heads_dir), state=str(tmp_path / "state"))
     )
     spec = engine.speculator
     spec.trainer.stop()  # drive the rounds here
@@ -224,15 +231,17 @@ def test_a_restored_learner_starts_from_its_resized_tree(tiny64, heads_dir, tmp_
         while spec.trainer.train_round():
             pass
     assert spec.version > 0
-    assert spec.current_topology == resolve_topology(None, spec.trainer.published.heads)
+    # the default tree: the calibrated tree from the published accuracies, sized (at the prior
+    # costs) by the rule static Medusa uses
+    assert spec.current_topology == best_sized_topology(head_accuracy(spec.trainer.published.heads))
     spec.save(tmp_path / "state")
     restored = SpeculativeEngine.from_pretrained(
-        tiny64, method="osd", medusa=str(heads_dir), osd=str(tmp_path / "state")
+        tiny64, speculator=options_for("osd", heads=str(heads_dir), state=str(tmp_path / "state"))
     ).speculator
     assert restored.current_topology == spec.current_topology
     restored.close()
     fixed = SpeculativeEngine.from_pretrained(
-        tiny64, method="osd", medusa=str(heads_dir), tree="sparse-8"
+        tiny64, speculator=options_for("osd", heads=str(heads_dir), tree="sparse-8")
     ).speculator
     fixed.trainer.publish()
     assert fixed.current_topology == load_topology("sparse-8", 3)  # a named tree stays fixed

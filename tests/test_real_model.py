@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from specdec import SpeculativeEngine
+from specdec.speculators import options_for
 from specdec.target import ModelRunner, load_model
 
 pytestmark = pytest.mark.slow
@@ -99,8 +100,9 @@ def top2_margin_float64(smol_dir: Path, prefix: list[int]) -> float:
     [("prompt-lookup", None, 3), ("prompt-lookup", None, 6), ("draft", "layers:8", 3)],
 )
 def test_greedy_equivalence_on_real_prompts(smol, smol_dir, plain_outputs, method, draft, k):
+    speculator = method if draft is None else f"{method}:model={draft}"
     engine = SpeculativeEngine.from_pretrained(
-        smol, method=method, draft=draft, num_draft_tokens=k, adaptive=False
+        smol, speculator=speculator, num_draft_tokens=k, adaptive=False
     )
     # the untrained early-exit draft is slow and almost always rejected: three prompts suffice
     prompts = PROMPTS if method == "prompt-lookup" else PROMPTS[::2]
@@ -139,7 +141,7 @@ def test_cli_json_compare(smol_dir):
             PROMPTS[0],
             "--model",
             str(smol_dir),
-            "--method",
+            "--speculator",
             "prompt-lookup",
             "-n",
             "16",
@@ -169,7 +171,14 @@ def test_cli_json_compare(smol_dir):
         assert key in out["stats"] and key in out["baseline"]
     assert out["method"] == "prompt-lookup"
     assert out["identical"] is True
-    assert out["speedup"] > 0 and out["stats"]["mean_accepted"] >= 1.0
+    stats, baseline = out["stats"], out["baseline"]
+    assert 0 < stats["new_tokens"] == baseline["new_tokens"] == len(out["token_ids"]) <= 16
+    assert out["speedup"] == pytest.approx(baseline["seconds"] / stats["seconds"], rel=1e-2)
+    forwards = stats["target_forwards"]
+    assert 0 < forwards <= baseline["target_forwards"]  # speculation never needs more passes
+    assert stats["mean_accepted"] == pytest.approx(
+        (stats["accepted_tokens"] + forwards) / forwards, abs=1e-4
+    )
     assert out["baseline"]["mean_accepted"] == 1.0
 
 
@@ -204,7 +213,7 @@ def test_medusa_trees_greedy_equivalence_on_real_prompts(
     smol, smol_dir, plain_outputs, smol_medusa, tree
 ):
     engine = SpeculativeEngine.from_pretrained(
-        smol, method="medusa", medusa=str(smol_medusa), tree=tree
+        smol, speculator=options_for("medusa", dir=str(smol_medusa), tree=tree)
     )
     results = check_equivalent_or_tie(
         engine, smol_dir, plain_outputs, PROMPTS[::2], f"medusa {tree}"
@@ -217,11 +226,10 @@ def test_self_speculation_greedy_equivalence_on_real_prompts(
     smol, smol_dir, plain_outputs, self_draft
 ):
     """The target drafts with 24 of its own 30 layers (shared modules), stopping below 0.5."""
-    from specdec.config import SpeculationConfig
     from specdec.speculators import build_speculator
     from specdec.target import HFTarget
 
-    spec = SpeculationConfig(method="self", num_draft_tokens=4, self_draft=self_draft)
+    spec = f"self:layers=[{self_draft}]"
     engine = SpeculativeEngine(
         HFTarget(smol), smol.tokenizer, build_speculator(smol, spec), num_draft_tokens=4,
         loaded=smol, adaptive=False,
@@ -233,7 +241,7 @@ def test_self_speculation_greedy_equivalence_on_real_prompts(
 
 
 def test_lookahead_greedy_equivalence_on_real_prompts(smol, smol_dir, plain_outputs):
-    engine = SpeculativeEngine.from_pretrained(smol, method="lookahead")
+    engine = SpeculativeEngine.from_pretrained(smol, speculator="lookahead")
     results = check_equivalent_or_tie(engine, smol_dir, plain_outputs, PROMPTS, "lookahead")
     assert sum(r.stats.accepted_tokens for r in results) > 10
 
@@ -241,7 +249,7 @@ def test_lookahead_greedy_equivalence_on_real_prompts(smol, smol_dir, plain_outp
 def test_suffix_cache_learns_across_requests_on_real_prompts(smol, smol_dir, plain_outputs):
     """Second pass over the same prompts: still plain decoding's output, now drafted from the
     cache of the first pass's answers, so each answer takes far fewer target passes."""
-    engine = SpeculativeEngine.from_pretrained(smol, method="suffix")
+    engine = SpeculativeEngine.from_pretrained(smol, speculator="suffix")
     first = check_equivalent_or_tie(engine, smol_dir, plain_outputs, PROMPTS, "suffix, pass 1")
     second = check_equivalent_or_tie(engine, smol_dir, plain_outputs, PROMPTS, "suffix, pass 2")
     passes = [sum(r.stats.target_forwards for r in rs) for rs in (first, second)]

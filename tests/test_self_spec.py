@@ -18,10 +18,9 @@ from typer.testing import CliRunner
 
 from specdec import GenerationConfig, SamplingConfig, SpeculativeEngine
 from specdec.cli.main import app
-from specdec.config import SpeculationConfig
 from specdec.errors import CheckpointError, ConfigError
 from specdec.heads.self_exit import load_self_exit
-from specdec.speculators import build_speculator
+from specdec.speculators import build_speculator, options_for
 from specdec.speculators.self_spec import (
     calibration_path,
     default_spec,
@@ -44,7 +43,7 @@ def tiny(tiny_model_dir: Path):
 
 
 def engine_for(loaded, self_draft: str, k: int = 3, adaptive: bool = False) -> SpeculativeEngine:
-    spec = SpeculationConfig(method="self", num_draft_tokens=k, self_draft=self_draft)
+    spec = options_for("self", layers=self_draft)
     return SpeculativeEngine(
         HFTarget(loaded),
         loaded.tokenizer,
@@ -92,12 +91,12 @@ def test_specs_parse():
 )
 def test_bad_specs_are_config_errors(tiny, spec, needle):
     with pytest.raises(ConfigError, match=__import__("re").escape(needle)):
-        build_speculator(tiny, SpeculationConfig(method="self", self_draft=spec))
+        build_speculator(tiny, options_for("self", layers=spec))
 
 
 def test_missing_adapter_is_a_clear_error(tiny, tmp_path):
     with pytest.raises(CheckpointError, match="specdec train self"):
-        build_speculator(tiny, SpeculationConfig(method="self", self_draft=f"adapter:{tmp_path}"))
+        build_speculator(tiny, options_for("self", layers=f"adapter:{tmp_path}"))
 
 
 # -- the draft model ---------------------------------------------------------------------------
@@ -214,7 +213,7 @@ def test_sampling_is_lossless(tiny):
 # -- calibration file --------------------------------------------------------------------------
 def test_saved_calibration_is_used(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    spec = SpeculationConfig(method="self")
+    spec = "self"
     fallback = build_speculator(tiny, spec)
     assert fallback.min_confidence == 0.7 and "not calibrated" in fallback.description
     path = save_calibration(tiny, "skip:2@0.2", {"tokens_per_second": 1.0})
@@ -258,7 +257,7 @@ def test_trained_exit_end_to_end(tiny, data_dir, tmp_path, other_vocab_model_dir
     assert fingerprint(tiny) == before
     other = load_model(other_vocab_model_dir)
     with pytest.raises(CheckpointError, match="another target"):
-        build_speculator(other, SpeculationConfig(method="self", self_draft=f"adapter:{out}"))
+        build_speculator(other, options_for("self", layers=f"adapter:{out}"))
 
 
 def test_training_is_seeded(tiny, data_dir, tmp_path):
@@ -289,7 +288,7 @@ def test_calibrate_cli_saves_a_choice(tiny, tmp_path, monkeypatch):
     saved = json.loads(calibration_path(tiny).read_text())
     assert saved["self_draft"] in {"exit:3", "skip:2", "exit:3@0.5", "skip:2@0.5"}
     assert len(saved["measured"]) == 4
-    build_speculator(tiny, SpeculationConfig(method="self"))  # uses it
+    build_speculator(tiny, "self")  # uses it
     evals = tmp_path / "eval" / "p.jsonl"
     evals.parent.mkdir()
     evals.write_text(prompts.read_text())

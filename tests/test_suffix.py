@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from specdec import SpeculativeEngine
-from specdec.config import SamplingConfig, SpeculationConfig
+from specdec.config import SamplingConfig
 from specdec.errors import CheckpointError, ConfigError
-from specdec.speculators import suffix, suffix_index
+from specdec.speculators import options_for, suffix, suffix_index
 from specdec.speculators.base import DraftContext, build_speculator
 from specdec.speculators.suffix import SuffixCache, SuffixSpeculator
 from specdec.speculators.suffix_index import SuffixIndex, expand_tree
@@ -236,8 +236,8 @@ def test_unreadable_cache_file_raises_checkpoint_error_naming_it(tmp_path):
 
 def test_factory_loads_and_saves_the_configured_cache(tmp_path):
     path = tmp_path / "suffix.safetensors"
-    config = SpeculationConfig(method="suffix", suffix_cache=str(path))
-    spec = build_speculator(None, config)  # type: ignore[arg-type]  (the target is unused)
+    config = options_for("suffix", cache=str(path))
+    spec = build_speculator(None, config)  # type: ignore[arg-type]  # the target is unused
     assert isinstance(spec, SuffixSpeculator) and spec.cache.num_tokens == 0
     spec.end_request([1, 2, 3, 4, 5, 6], prompt_len=2)
     assert path.is_file()
@@ -299,7 +299,7 @@ PROMPTS = [
 
 
 def test_greedy_equals_plain_on_a_tiny_model(tiny64):
-    engine = SpeculativeEngine.from_pretrained(tiny64, method="suffix")
+    engine = SpeculativeEngine.from_pretrained(tiny64, speculator="suffix")
     drafted = 0
     for prompt in PROMPTS + PROMPTS:  # the second round drafts from the learned cache
         plain = engine.generate(prompt, max_new_tokens=40, ignore_eos=True, speculate=False)
@@ -311,7 +311,7 @@ def test_greedy_equals_plain_on_a_tiny_model(tiny64):
 
 
 def test_the_cache_learns_across_requests(tiny64):
-    engine = SpeculativeEngine.from_pretrained(tiny64, method="suffix")
+    engine = SpeculativeEngine.from_pretrained(tiny64, speculator="suffix")
     prompt = "KING RICHARD III: Now is the winter of our discontent made glorious summer by"
     first = engine.generate(prompt, max_new_tokens=48, ignore_eos=True)
     second = engine.generate(prompt, max_new_tokens=48, ignore_eos=True)
