@@ -46,6 +46,10 @@ class MarkovTarget:
     def context_length(self) -> int:
         return self._context_length
 
+    @property
+    def device(self) -> torch.device:
+        return self.table.device
+
     def begin(self, prompt: Sequence[int]) -> None:
         pass
 

@@ -4,6 +4,9 @@ Invariant (tested): after any sequence of steps, entry j of every layer holds th
 ``tokens[j]`` at position j, equal (within float tolerance) to what a fresh prefill of ``tokens``
 would compute. The engine keeps the *target* cache at "all committed tokens but the last", because
 the last committed token is the root of the next draft tree and is fed with it.
+
+Sliding-window layers keep their whole history too (:mod:`specdec.cache.layout`): their window is
+applied by the attention mask, not by evicting entries, so crop and compaction stay exact.
 """
 
 from __future__ import annotations
@@ -12,8 +15,9 @@ from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache, PretrainedConfig
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import Cache, DummyLayer, DynamicLayer
 
+from specdec.cache.layout import AttentionLayout
 from specdec.errors import UnsupportedModelError
 
 
@@ -30,29 +34,42 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
+class _FullCache(DynamicCache):
+    """A ``DynamicCache`` over given layers: a full ``DynamicLayer`` for every attention layer,
+    sliding ones included (transformers would give those an evicting sliding layer)."""
+
+    def __init__(self, layout: AttentionLayout) -> None:
+        Cache.__init__(self, layers=layout.cache_layers())
+
+
 class KVCache:
-    """A Hugging Face ``DynamicCache`` plus the token ids it holds."""
+    """A Hugging Face ``DynamicCache`` plus the token ids it holds.
+
+    Building it refuses a model whose layers cannot be rolled back (the error names the layer
+    type); :attr:`layout` tells the runner which layers need a windowed mask."""
 
     def __init__(self, config: PretrainedConfig) -> None:
         self._config = config
-        self.hf = DynamicCache(config=config)
+        self.layout = AttentionLayout.from_config(config)
+        self.hf: DynamicCache = _FullCache(self.layout)
         self.tokens: list[int] = []
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def reset(self) -> None:
-        self.hf = DynamicCache(config=self._config)
+        self.hf = _FullCache(self.layout)
         self.tokens = []
 
     def check_rollback_supported(self) -> None:
-        """Only plain full-attention layers can be cropped and compacted exactly."""
+        """Only full-attention layers (sliding ones are kept whole) can be cropped and compacted
+        exactly; run after a forward, to catch a model that replaced our cache layers."""
         for layer in self.hf.layers:
-            if type(layer) is not DynamicLayer:
+            if type(layer) not in (DynamicLayer, DummyLayer):
                 raise UnsupportedModelError(
-                    f"this model's cache uses {type(layer).__name__} layers (sliding window, "
-                    "linear attention or state-space), which cannot be rolled back exactly; "
-                    "speculative decoding needs a full-attention decoder"
+                    f"this model's cache uses {type(layer).__name__} layers, which cannot be "
+                    "rolled back exactly; speculative decoding needs a decoder of full or "
+                    "sliding-window attention layers"
                 )
 
     def appended(self, tokens: Sequence[int]) -> None:
@@ -86,10 +103,14 @@ class KVCache:
         if keep == list(range(len(keep))):
             self.rollback(start + len(keep))
             return
-        idx = torch.tensor(keep, dtype=torch.long) + start
+        moved: dict[torch.device, torch.Tensor] = {}  # one host-to-device copy per device
         for layer in self.hf.layers:
-            assert isinstance(layer, DynamicLayer)
-            assert layer.keys is not None and layer.values is not None
+            if not isinstance(layer, DynamicLayer) or layer.keys is None or layer.values is None:
+                continue  # no entries of its own (MLP-only, KV-sharing, or a skipped slot)
+            device = layer.keys.device
+            if device not in moved:
+                moved[device] = torch.tensor(keep, dtype=torch.long, device=device) + start
+            idx = moved[device]
             layer.keys = torch.cat([layer.keys[..., :start, :], layer.keys[..., idx, :]], dim=-2)
             layer.values = torch.cat(
                 [layer.values[..., :start, :], layer.values[..., idx, :]], dim=-2

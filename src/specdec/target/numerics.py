@@ -1,4 +1,4 @@
-"""Numerics choices for CPU inference, applied by swapping ``nn.Linear`` modules.
+"""Numerics choices per device; on the CPU, applied by swapping ``nn.Linear`` modules.
 
 On CPU the cost of verifying k drafted tokens, T(k), decides what speculation is worth. Stock fp32
 ``nn.Linear`` (MKL) is about twice as slow for a handful of rows as for one, so a verification
@@ -8,6 +8,10 @@ exactness against the float32 model for speed and are opt-in; speculation stays 
 respect to whichever numerics the target runs, because drafts are always verified by that target.
 
 Swapping modules keeps the model's code untouched: the forward still calls ``self.q_proj(x)``.
+
+On CUDA the swaps (CPU kernels) never happen: ``float32`` there is stock cuBLAS at full fp32
+precision, the fastest exact choice; ``bfloat16`` is the fast inexact one (see
+:func:`apply_numerics`).
 """
 
 from __future__ import annotations
@@ -111,12 +115,76 @@ def get_numerics(name: str) -> Numerics:
         raise ConfigError(f"unknown dtype {name!r}; choose one of: {', '.join(NUMERICS)}") from None
 
 
-def apply_numerics(model: nn.Module, numerics: Numerics) -> str:
-    """Convert ``model`` in place; returns a description of what actually runs.
+# modes built on CPU-only kernels (oneDNN prepacking, fbgemm); elsewhere "float32" is stock
+_CPU_ONLY = {"fp16-weights": "fbgemm's fp16-weight GEMM"}
 
-    ``float32`` falls back to stock linears (and says so) where oneDNN is unavailable.
+
+def resolve_device(spec: str | torch.device | None) -> torch.device:
+    """``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (CUDA when this torch build sees a GPU, else
+    the CPU) as a device, or a clear error when the requested one is not present.
+
+    >>> resolve_device("cpu")
+    device(type='cpu')
     """
+    if isinstance(spec, torch.device):
+        text = str(spec)
+    else:
+        text = (spec or "cpu").strip().lower()
+    if text == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise ConfigError(f"unknown device {spec!r}; use cpu, cuda, cuda:N or auto") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"device {text!r} was requested but this torch build ({torch.__version__}) sees "
+                "no CUDA GPU; install a CUDA build of torch, or use --device cpu"
+            )
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ConfigError(
+                f"device {text!r} does not exist: this machine has {count} CUDA device(s), "
+                f"cuda:0..cuda:{count - 1}"
+            )
+    elif device.type != "cpu":
+        raise ConfigError(f"device {text!r} is not supported; use cpu, cuda, cuda:N or auto")
+    return device
+
+
+def check_numerics_device(numerics: Numerics, device: torch.device) -> None:
+    """Refuse, before a model loads, a numerics mode that has no kernels on ``device``."""
+    if device.type != "cpu" and numerics.name in _CPU_ONLY:
+        raise ConfigError(
+            f"dtype {numerics.name!r} uses {_CPU_ONLY[numerics.name]}, which exists on the CPU "
+            f"only; on {device} use float32 (exact) or bfloat16 (faster, not exact)"
+        )
+
+
+def apply_numerics(model: nn.Module, numerics: Numerics, device: torch.device | None = None) -> str:
+    """Convert ``model`` in place and move it to ``device``; returns what actually runs.
+
+    Each device gets its fastest *exact* fp32 by default: on the CPU, oneDNN prepacked linears
+    (falling back to stock ones, and saying so, where oneDNN is unavailable); on CUDA, stock
+    cuBLAS linears at full fp32 precision (TF32 would round inputs to 10 mantissa bits, so it is
+    left off, torch's default; a process that turned it on is told). The linear swaps are CPU
+    kernels and never happen elsewhere.
+    """
+    device = device or torch.device("cpu")
+    check_numerics_device(numerics, device)
     model.to(numerics.storage_dtype)
+    if device.type != "cpu":
+        model.to(device)
+        if numerics.name in ("float32", "float32-stock"):
+            precision = torch.get_float32_matmul_precision()
+            if precision != "highest":
+                return (
+                    f"fp32 weights, but float32 matmul precision is {precision!r} in this "
+                    "process (TF32): not exact; call torch.set_float32_matmul_precision('highest')"
+                )
+            return "fp32, stock nn.Linear (cuBLAS, TF32 off) (default)"
+        return numerics.description
     if numerics.name == "float32":
         if not onednn_available():
             return "fp32, stock nn.Linear (oneDNN unavailable in this torch build)"
@@ -135,9 +203,16 @@ def dense_weight(linear: nn.Module) -> torch.Tensor:
     if isinstance(weight, torch.Tensor):
         return weight.detach().float().clone()
     n_in = int(getattr(linear, "in_features"))  # noqa: B009 - every swapped linear has it
-    eye = torch.eye(n_in, dtype=torch.float32)  # [in, in]
+    eye = torch.eye(n_in, dtype=torch.float32, device=_module_device(linear))  # [in, in]
     y = linear(eye).float()  # [in, out]
     bias = getattr(linear, "bias", None)
     if isinstance(bias, torch.Tensor):
         y = y - bias.float()
     return y.T.contiguous()
+
+
+def _module_device(module: nn.Module) -> torch.device:
+    """Where ``module``'s tensors live (prepacked CPU modules hold no parameters: the CPU)."""
+    for t in (*module.parameters(), *module.buffers()):
+        return t.device
+    return torch.device("cpu")

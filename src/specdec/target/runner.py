@@ -3,6 +3,12 @@
 Used for the target (verification) and for draft models alike. Trees are scored in one pass with
 explicit position ids (prefix length + depth) and a 4D mask in which every node sees the committed
 prefix and its own ancestors only; chains use the model's own causal mask, the fast path.
+Sliding-window layers get windowed masks (:mod:`specdec.target.masks`) whenever the window
+matters.
+
+Device: the runner works on the model's device. Per forward it copies to it only the token ids
+and, for trees, the positions and the ancestor mask (small host-to-device copies); it reads
+nothing back, since logits stay on the device for the acceptance rule.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from transformers import PreTrainedModel
 
 from specdec.cache import KVCache
 from specdec.errors import UnsupportedModelError
+from specdec.target.masks import attention_masks
 from specdec.tree import DraftTree
 
 
@@ -37,7 +44,9 @@ class ModelRunner:
                 f"{type(model).__name__}.forward takes no position_ids; trees need them"
             )
         self.cache = KVCache(model.config)
-        self.dtype = next(model.parameters()).dtype
+        first = next(model.parameters())
+        self.dtype = first.dtype
+        self.device = first.device
         self.output_hidden = False
         # which of the model's hidden_states to keep (index 0 = embeddings, i = output of layer
         # i-1, -1 = final normed state); several are concatenated along the feature axis
@@ -69,14 +78,12 @@ class ModelRunner:
         With ``output_hidden`` set, also keeps the final hidden states (the LM head's input) of
         every token in ``last_hidden``, for feature-level speculators (Medusa, EAGLE)."""
         start = len(self.cache)
-        ids = torch.tensor([list(tokens)], dtype=torch.long)  # [1, T]
+        ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # [1, T]
         if position_ids is None:
-            position_ids = torch.arange(start, start + len(tokens))
-        mask = None
-        if tree_mask is not None:
-            full = torch.ones(len(tokens), start + len(tokens), dtype=torch.bool)  # [T, P+T]
-            full[:, start:] = tree_mask
-            mask = full[None, None]  # [1, 1, T, P+T]
+            position_ids = torch.arange(start, start + len(tokens), device=self.device)
+        else:
+            position_ids = position_ids.to(self.device, non_blocking=True)
+        mask = attention_masks(self.cache.layout, start, position_ids, tree_mask)  # [1, 1, T, P+T]
         out = self.model(
             input_ids=ids,
             position_ids=position_ids[None],

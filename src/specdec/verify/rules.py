@@ -66,6 +66,7 @@ class GreedyRule:
         sampling: SamplingConfig,
         generator: torch.Generator,
     ) -> Acceptance:
+        # the step's one device-to-host transfer: N argmax ids
         target = logits.argmax(dim=-1).tolist()  # [N]
         node, path = 0, [0]
         while True:
@@ -102,9 +103,13 @@ class RejectionSamplingRule:
                 if q_all is None:
                     q_x = 1.0
                 else:
-                    q = q_all[child].to(p.dtype)  # [V]
+                    q = q_all[child].to(p.device, p.dtype)  # [V]
                     q_x = float(q[x])
-                u = float(torch.rand((), generator=generator, dtype=torch.float64))
+                u = float(
+                    torch.rand(
+                        (), generator=generator, dtype=torch.float64, device=generator.device
+                    )
+                )
                 if q_x > 0.0 and u * q_x < float(p[x]):
                     accepted_child = child
                     break

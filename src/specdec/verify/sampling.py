@@ -44,13 +44,18 @@ def probs_from_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One token from a 1-D distribution, reproducible through ``generator``."""
+    """One token from a 1-D distribution, reproducible through ``generator`` (on ``probs``'
+    device); reading the token back is one device-to-host transfer."""
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    """A private RNG per request: seeded runs repeat, and requests never share random state."""
-    g = torch.Generator(device="cpu")
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A private RNG per request: seeded runs repeat, and requests never share random state.
+
+    It lives on the model's ``device``, where the probabilities it samples from are, so drawing
+    needs no transfer; a seed therefore reproduces output per device (CPU and CUDA generators
+    produce different streams from the same seed)."""
+    g = torch.Generator(device=device)
     if seed is None:
         g.seed()
     else:
