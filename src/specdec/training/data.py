@@ -492,6 +492,10 @@ def load_data(
             f"{d} is not a specdec data directory (no {MANIFEST}); create one with "
             "`specdec data generate`"
         )
+    from specdec.training.shards import is_token_data, load_token_data
+
+    if is_token_data(d):  # the compact uint16/uint32 token shards (e.g. ShareGPT answers)
+        return load_token_data(d, loaded)
     manifest = DataManifest.from_json(mpath.read_text(encoding="utf-8"), mpath)
     data = SelfDistilledData(manifest)
     for name in manifest.shards:
