@@ -16,6 +16,9 @@ precision, the fastest exact choice; ``bfloat16`` is the fast inexact one (see
 
 from __future__ import annotations
 
+import ctypes
+import os
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,7 +38,8 @@ class PackedLinear(nn.Module):
         self.out_features = linear.out_features
         w = linear.weight.detach().float().contiguous()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, rows_hint)
-        self.bias = None if linear.bias is None else linear.bias.detach().float()
+        # a copy: a view would keep the whole memory-mapped checkpoint resident (see below)
+        self.bias = None if linear.bias is None else linear.bias.detach().float().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -74,10 +78,33 @@ def _swap_linears(module: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> 
     for name, child in module.named_children():
         if isinstance(child, nn.Linear):
             setattr(module, name, make(child))
+            _page_out(child.weight)
             swapped += 1
         else:
             swapped += _swap_linears(child, make)
     return swapped
+
+
+_MADV_PAGEOUT = 21  # Linux >= 5.4: reclaim these pages now; file-backed ones are re-read on use
+
+
+def _page_out(weight: torch.Tensor) -> None:
+    """Hand the pages of a weight just repacked back to the kernel. Loaded through a memory map
+    (transformers' default for safetensors), they stay resident until the whole file's mapping
+    goes, so repacking a model would briefly hold it twice (13.7 GiB peak for the 7.1 GiB
+    Qwen2.5-Coder-1.5B). PAGEOUT keeps the contents: file-backed pages are dropped and re-read
+    if touched again (a tied embedding still uses them), anonymous ones without swap stay put.
+    Best effort: other systems, or kernels without it, simply keep the pages."""
+    if not sys.platform.startswith("linux") or weight.device.type != "cpu":
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        page = os.sysconf("SC_PAGE_SIZE")
+        start = weight.data_ptr() // page * page
+        end = weight.data_ptr() + weight.numel() * weight.element_size()
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_PAGEOUT)
+    except (OSError, AttributeError, ValueError):
+        pass
 
 
 def onednn_available() -> bool:
@@ -189,9 +216,26 @@ def apply_numerics(model: nn.Module, numerics: Numerics, device: torch.device | 
         if not onednn_available():
             return "fp32, stock nn.Linear (oneDNN unavailable in this torch build)"
         _swap_linears(model, PackedLinear)
+        _own_tensors(model)
     elif numerics.name == "fp16-weights":
         _swap_linears(model, Fp16WeightLinear)
+        _own_tensors(model)
     return numerics.description
+
+
+@torch.no_grad()
+def _own_tensors(model: nn.Module) -> None:
+    """Copy the parameters and buffers the swaps left (embeddings, norms) out of the loaded
+    checkpoint. transformers memory-maps safetensors files, and the mapping lives as long as any
+    tensor viewing it; every page the repacking read stays resident with it, beside the packed
+    copies (measured on Qwen2.5-Coder-1.5B: 11.9 GiB resident instead of 7.2)."""
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                module._parameters[name] = nn.Parameter(p.detach().clone(), p.requires_grad)
+        for name, b in list(module._buffers.items()):
+            if b is not None:
+                module._buffers[name] = b.clone()
 
 
 @torch.inference_mode()
