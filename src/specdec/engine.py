@@ -15,8 +15,10 @@ from specdec.config import GenerationConfig, SamplingConfig
 from specdec.control import AdaptiveBudget, CostModel, FixedBudget, NodeBudget
 from specdec.control.arms import ArmController, AutoOptions, build_arm_controller
 from specdec.control.calibration import load_cost_calibration
-from specdec.errors import ConfigError
+from specdec.errors import ConfigError, InvalidRequestError
 from specdec.events import GenerationResult, TokenEvent
+from specdec.grammar import Grammar, GrammarCompiler, GrammarConstraint
+from specdec.logprobs import TokenLogprob, token_logprobs
 from specdec.metrics import RequestStats
 from specdec.request import Prompt, check_fits, encode_prompt
 from specdec.speculators import (
@@ -62,6 +64,9 @@ class _Request:
     costs: CostModel  # what tree speculators price verification with (see DraftContext)
     started: float  # time.perf_counter() when the request arrived
     stats: RequestStats = field(default_factory=RequestStats)
+    constraint: GrammarConstraint | None = None  # the request's grammar (specdec.grammar)
+    logprobs: int | None = None  # None: off; n: each token's log-prob and the top n
+    step_logprobs: list[TokenLogprob] = field(default_factory=list)  # the last step's
 
     @property
     def remaining(self) -> int:
@@ -119,6 +124,7 @@ class SpeculativeEngine:
         self.cost_model = _initial_costs(loaded)
         self._cost_prior = self.cost_model.frozen_prior()  # for sampled requests
         self.loaded = loaded
+        self._grammar_compiler: GrammarCompiler | None = None  # built by the first grammar
         if eos_token_ids is not None:
             self.eos_token_ids = frozenset(eos_token_ids)
         elif loaded is not None:
@@ -149,6 +155,8 @@ class SpeculativeEngine:
         dtype: str = "float32",
         adaptive: bool = True,
         typical_acceptance: bool = False,
+        device: str = "cpu",
+        chat_template: str | PathLike[str] | None = None,
     ) -> SpeculativeEngine:
         """Load a target (a local HF directory, a GGUF file, or the bundled default model when
         both are ``None``) and build the speculator ``speculator`` names: a spec such as
@@ -158,12 +166,19 @@ class SpeculativeEngine:
 
         ``num_draft_tokens`` is K, the most tokens drafted per step (a spec's ``k`` overrides
         it). ``typical_acceptance`` switches sampled requests to Medusa's typical acceptance,
-        which is faster but LOSSY (statistics say so).
+        which is faster but LOSSY (statistics say so). ``device`` (``cpu``, ``cuda``,
+        ``cuda:N``, ``auto``) is where a model loaded here runs; a given ``LoadedModel`` keeps
+        its own. ``chat_template`` (a file or the template text) gives a model without one
+        (many GGUF files) a chat template.
         """
         options = parse_spec(speculator)
         k = options.k or num_draft_tokens
         loaded = (
-            model if isinstance(model, LoadedModel) else load_model(model, gguf=gguf, dtype=dtype)
+            model
+            if isinstance(model, LoadedModel)
+            else load_model(
+                model, gguf=gguf, dtype=dtype, device=device, chat_template=chat_template
+            )
         )
         common: dict[str, Any] = {
             "num_draft_tokens": k,
@@ -201,10 +216,16 @@ class SpeculativeEngine:
         chat: bool | None = None,
         ignore_eos: bool = False,
         speculate: bool = True,
+        grammar: Grammar | None = None,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
     ) -> Iterator[TokenEvent]:
         """Yield one :class:`TokenEvent` per verification step, text as incremental deltas.
 
         ``speculate=False`` decodes plainly on the same target (the reference for speedups).
+        ``grammar`` constrains the output (:class:`specdec.grammar.Grammar`), losslessly with
+        respect to the grammar-masked target. ``logprobs`` adds each token's log-probability
+        (and the ``top_logprobs`` most likely alternatives) to the events.
         Arguments are validated before the first token, so a bad request fails fast.
         """
         config = GenerationConfig(
@@ -214,16 +235,64 @@ class SpeculativeEngine:
             sampling=SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed),
         )
         prompt_ids = self.encode(prompt, chat)
-        return self.stream_ids(prompt_ids, config, speculate=speculate)
+        return self.stream_ids(
+            prompt_ids,
+            config,
+            speculate=speculate,
+            grammar=grammar,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+        )
 
     def stream_ids(
-        self, prompt_ids: Sequence[int], config: GenerationConfig, *, speculate: bool = True
+        self,
+        prompt_ids: Sequence[int],
+        config: GenerationConfig,
+        *,
+        speculate: bool = True,
+        grammar: Grammar | None = None,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
     ) -> Iterator[TokenEvent]:
         check_fits(len(prompt_ids), config.max_new_tokens, self.context_length)
-        return self._run(list(prompt_ids), config, speculate)
+        if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int):
+            raise InvalidRequestError("top_logprobs must be an integer", param="top_logprobs")
+        if not 0 <= top_logprobs <= 20:
+            raise InvalidRequestError(
+                f"top_logprobs must be in [0, 20], got {top_logprobs}", param="top_logprobs"
+            )
+        constraint = self._constraint(grammar, config)
+        wanted = top_logprobs if logprobs else None
+        return self._run(list(prompt_ids), config, speculate, constraint, wanted)
+
+    def _constraint(
+        self, grammar: Grammar | None, config: GenerationConfig
+    ) -> GrammarConstraint | None:
+        """The request's grammar compiled for this tokenizer (the compiler is built once)."""
+        if grammar is None:
+            return None
+        if not isinstance(grammar, Grammar):
+            raise InvalidRequestError(
+                "grammar must be a specdec.grammar.Grammar (e.g. Grammar.json_schema(schema))",
+                param="grammar",
+            )
+        if config.ignore_eos:
+            raise InvalidRequestError(
+                "ignore_eos cannot be combined with a grammar: the grammar decides where the "
+                "output ends",
+                param="ignore_eos",
+            )
+        if self._grammar_compiler is None:
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, sorted(self.eos_token_ids))
+        return self._grammar_compiler.constraint(grammar)
 
     def _run(
-        self, prompt_ids: list[int], config: GenerationConfig, speculate: bool
+        self,
+        prompt_ids: list[int],
+        config: GenerationConfig,
+        speculate: bool,
+        constraint: GrammarConstraint | None = None,
+        logprobs: int | None = None,
     ) -> Iterator[TokenEvent]:
         started = time.perf_counter()
         greedy = config.sampling.greedy
@@ -233,11 +302,14 @@ class SpeculativeEngine:
             config=config,
             plain=not speculate,
             rule=self.acceptance_rule or rule_for(config.sampling),
-            generator=make_generator(config.sampling.seed),
+            # on the target's device, where the probabilities are (fakes: the CPU)
+            generator=make_generator(config.sampling.seed, self.target.device),
             budget=self._budget_policy(config),
             # sampled output depends on the drafts, so their sizing must not depend on timing
             costs=self.cost_model if greedy else self._cost_prior,
             started=started,
+            constraint=constraint,
+            logprobs=logprobs,
         )
         req.stats.prompt_tokens = len(prompt_ids)
         req.stats.lossless = req.rule.lossless
@@ -284,7 +356,8 @@ class SpeculativeEngine:
                     text += stopper.flush()  # release text held back for a possible stop
             req.stats.new_tokens = len(req.tokens) - req.prompt_len
             req.stats.seconds = time.perf_counter() - req.started
-            yield TokenEvent(tuple(emitted), text, finish, req.stats.snapshot())
+            lps = None if req.logprobs is None else tuple(req.step_logprobs[: len(emitted)])
+            yield TokenEvent(tuple(emitted), text, finish, req.stats.snapshot(), lps)
             if finish is not None:
                 return
 
@@ -310,11 +383,27 @@ class SpeculativeEngine:
         else:
             tree = DraftTree.root_only(root)
         t1 = time.perf_counter()
+        # a grammar prunes what it forbids (before verification) and masks every node's logits
+        constrained = req.constraint.prepare(tree, extend=not req.plain) if req.constraint else None
+        proposed, tree = tree, (constrained.tree if constrained else tree)
+        tg = time.perf_counter() - t1
         logits = self.target.verify(tree)  # [N, V]
-        acceptance = req.rule.accept(tree, logits, req.config.sampling, req.generator)
+        tm = time.perf_counter()
+        scored = constrained.mask(logits) if constrained else logits  # [N, V]
+        acceptance = req.rule.accept(tree, scored, req.config.sampling, req.generator)
         self.target.commit(acceptance.path)
+        if req.constraint is not None:
+            req.constraint.advance(acceptance.tokens)
+            req.stats.grammar_seconds += tg + time.perf_counter() - tm  # less accept and commit
+        if req.logprobs is not None:  # row of each committed token's parent on the path
+            rows = scored[list(acceptance.path)]  # [len(tokens), V]
+            sampling = req.config.sampling
+            req.step_logprobs = token_logprobs(rows, acceptance.tokens, sampling, req.logprobs)
         t2 = time.perf_counter()
-        feedback = Feedback(tree, acceptance, logits)
+        if constrained:
+            feedback = constrained.feedback(acceptance, logits)
+        else:
+            feedback = Feedback(proposed, acceptance, logits)
         if self.arms is not None and not req.plain:
             self.arms.observe(feedback)
             req.stats.record_choice((self.arms.last_choice or "none") if budget > 0 else "none")
@@ -325,8 +414,10 @@ class SpeculativeEngine:
         depth = max(tree.depths)
         req.stats.record_step(depth, acceptance.num_accepted)
         self.cost_model.observe(len(tree), t2 - t1, tree=not tree.is_chain)
-        self.cost_model.observe_draft(tree.num_drafted, t1 - t0)
-        req.budget.observe(depth, acceptance.num_accepted)
+        catch_up = (self.arms or self.speculator).catch_up_seconds() if budget > 0 else 0.0
+        self.cost_model.observe_draft(proposed.num_drafted, max(0.0, t1 - t0 - catch_up))
+        # the budget sized the speculator's draft: it learns from that draft's fate alone
+        req.budget.observe(max(proposed.depths), feedback.acceptance.num_accepted)
         return acceptance
 
     def _draft(self, req: _Request, budget: int) -> DraftTree:
@@ -334,7 +425,13 @@ class SpeculativeEngine:
         reads = any(s.needs_hidden_states for s in self.speculators)
         features = self.target.features if reads else None
         context = DraftContext(
-            req.tokens, req.prompt_len, req.config.sampling, req.generator, features, req.costs
+            req.tokens,
+            req.prompt_len,
+            req.config.sampling,
+            req.generator,
+            features,
+            req.costs,
+            req.constraint,
         )
         if self.arms is not None:
             return self.arms.draft(context, budget)
@@ -347,11 +444,14 @@ class SpeculativeEngine:
         parts: list[str] = []
         finish = "length"
         stats = RequestStats()
+        logprobs: list[TokenLogprob] | None = [] if kwargs.get("logprobs") else None
         for event in self.stream(prompt, **kwargs):
             token_ids.extend(event.token_ids)
             parts.append(event.text)
+            if logprobs is not None and event.logprobs is not None:
+                logprobs.extend(event.logprobs)
             stats = event.stats
             if event.finish_reason:
                 finish = event.finish_reason
         method = self.method if speculate else "none"
-        return GenerationResult("".join(parts), token_ids, finish, method, stats)
+        return GenerationResult("".join(parts), token_ids, finish, method, stats, logprobs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from specdec.logprobs import TokenLogprob
 from specdec.metrics import RequestStats
 
 
@@ -21,6 +22,8 @@ class TokenEvent:
     text: str
     finish_reason: str | None
     stats: RequestStats
+    # one per token in token_ids when the request asked for logprobs (see specdec.logprobs)
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass
@@ -30,6 +33,7 @@ class GenerationResult:
     finish_reason: str
     method: str
     stats: RequestStats = field(default_factory=RequestStats)
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when asked for
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -38,4 +42,18 @@ class GenerationResult:
             "finish_reason": self.finish_reason,
             "method": self.method,
             "stats": self.stats.to_dict(),
+            **(
+                {}
+                if self.logprobs is None
+                else {
+                    "logprobs": [
+                        {
+                            "token_id": lp.token_id,
+                            "logprob": lp.logprob,
+                            "top": [list(t) for t in lp.top],
+                        }
+                        for lp in self.logprobs
+                    ]
+                }
+            ),
         }

@@ -22,6 +22,7 @@ class RequestStats:
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    grammar_seconds: float = 0.0  # constrained requests: pruning, masking, advancing (in verify)
     target_forwards: int = 0
     lossless: bool = True  # False when an opt-in lossy acceptance rule (typical) decided
     drafted_at: list[int] = field(default_factory=list)
@@ -95,6 +96,8 @@ class RequestStats:
             "draft_seconds": round(self.draft_seconds, 4),
             "verify_seconds": round(self.verify_seconds, 4),
         }
+        if self.grammar_seconds:
+            out["grammar_seconds"] = round(self.grammar_seconds, 4)
         if self.choices:
             out["choices"] = dict(sorted(self.choices.items()))
         return out

@@ -222,7 +222,7 @@ BAD: list[tuple[str, str, Any, int, str | None]] = [
         "temperature",
     ),
     ("empty-stop", "/v1/completions", {**OK, "stop": [""]}, 400, "stop"),
-    ("logprobs-unsupported", "/v1/completions", {**OK, "logprobs": 3}, 400, "logprobs"),
+    ("echo-unsupported", "/v1/completions", {**OK, "echo": True}, 400, "echo"),
 ]
 
 

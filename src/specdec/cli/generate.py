@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -12,6 +13,8 @@ from rich.table import Table
 
 from specdec.cli.common import (
     AdaptiveOpt,
+    ChatTemplateOpt,
+    DeviceOpt,
     DtypeOpt,
     GgufOpt,
     KOpt,
@@ -23,6 +26,30 @@ from specdec.cli.common import (
     load_engine,
     user_errors,
 )
+from specdec.errors import InvalidRequestError
+from specdec.grammar import Grammar
+from specdec.request import default_chat
+
+
+def _grammar(json_schema: Path | None, regex: str | None, grammar: Path | None) -> Grammar | None:
+    """The one constraint the options name (none, or exactly one of them)."""
+    given = [
+        name
+        for name, v in (("--json-schema", json_schema), ("--regex", regex), ("--grammar", grammar))
+        if v is not None
+    ]
+    if len(given) > 1:
+        raise InvalidRequestError(f"give one of {', '.join(given)}, not several", param="grammar")
+    if regex is not None:
+        return Grammar.regex(regex)
+    path = json_schema or grammar
+    if path is None:
+        return None
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise InvalidRequestError(f"cannot read {path}: {e.strerror}", param="grammar") from None
+    return Grammar.json_schema(text) if json_schema is not None else Grammar.ebnf(text)
 
 
 def _summary(title: str, stats: dict[str, Any]) -> str:
@@ -66,20 +93,46 @@ def generate(
         ),
     ] = None,
     dtype: DtypeOpt = "float32",
+    device: DeviceOpt = "cpu",
+    chat_template: ChatTemplateOpt = None,
     threads: ThreadsOpt = None,
     compare: Annotated[
         bool, typer.Option("--compare", help="Also decode without speculation and compare.")
     ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    json_schema: Annotated[
+        Path | None,
+        typer.Option(
+            "--json-schema", help="Constrain the output to JSON valid for this schema file."
+        ),
+    ] = None,
+    regex: Annotated[
+        str | None, typer.Option("--regex", help="Constrain the output to match this regex.")
+    ] = None,
+    grammar_file: Annotated[
+        Path | None,
+        typer.Option("--grammar", help="Constrain the output to this EBNF (Lark or GBNF) file."),
+    ] = None,
 ) -> None:
-    """Generate text with speculative decoding."""
+    """Generate text with speculative decoding (optionally constrained by a grammar)."""
     with user_errors():
+        grammar = _grammar(json_schema, regex, grammar_file)
         engine = load_engine(
-            model, gguf, speculator, num_draft_tokens, dtype, adaptive, typical, threads
+            model,
+            gguf,
+            speculator,
+            num_draft_tokens,
+            dtype,
+            adaptive,
+            typical,
+            threads,
+            device=device,
+            chat_template=chat_template,
         )
-        use_chat = (
-            chat if chat is not None else bool(getattr(engine.tokenizer, "chat_template", None))
-        )
+        mode = default_chat(engine.tokenizer, chat)
+        if mode.note and not as_json:
+            err_console.print(f"note: {mode.note}", highlight=False)
+        use_chat = mode.chat
         kwargs: dict[str, Any] = dict(
             max_new_tokens=max_new_tokens,
             temperature=temperature,
@@ -88,6 +141,7 @@ def generate(
             seed=seed,
             stop=tuple(stop or ()),
             chat=use_chat,
+            grammar=grammar,
         )
         # Validate and encode before anything is timed, so errors come first and fast.
         engine.encode(prompt, use_chat)

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import importlib.util
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -36,6 +38,8 @@ from starlette.types import Receive, Scope, Send
 from specdec.config import GenerationConfig, SamplingConfig
 from specdec.errors import InvalidRequestError
 from specdec.events import TokenEvent
+from specdec.grammar import Grammar
+from specdec.logprobs import TokenLogprob
 from specdec.metrics import RequestStats
 from specdec.request import Prompt, check_fits, encode_prompt
 from specdec.server import errors
@@ -49,13 +53,17 @@ from specdec.server.schemas import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatLogprobs,
+    ChatTokenLogprob,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     Delta,
     ModelCard,
     ModelList,
     Speculation,
+    TopLogprob,
     Usage,
 )
 from specdec.server.worker import (
@@ -89,7 +97,7 @@ class Engine(Protocol):
     @property
     def context_length(self) -> int: ...
 
-    def stream_ids(self, prompt_ids: Any, config: GenerationConfig) -> Any: ...
+    def stream_ids(self, prompt_ids: Any, config: GenerationConfig, **options: Any) -> Any: ...
 
 
 class _ClientGone(Exception):
@@ -109,6 +117,9 @@ class _Prepared:
     timeout: float
     id: str
     created: int
+    # the engine's grammar / logprobs / top_logprobs keyword arguments, when asked for
+    options: dict[str, Any]
+    logprobs: bool = False
 
 
 class _Service:
@@ -146,6 +157,7 @@ class _Service:
             raise APIError(
                 400, f"{bad!r} is not supported by this server", param=bad, code="unsupported"
             )
+        options = self._structured_options(body)
         if isinstance(body, ChatCompletionRequest):
             newer = body.max_completion_tokens is not None
             limit_name = "max_completion_tokens" if newer else "max_tokens"
@@ -176,18 +188,50 @@ class _Service:
             check_fits(len(prompt_ids), config.max_new_tokens, self.context_length)
         except InvalidRequestError as e:
             raise errors.from_engine_error(e, names) from None
-        options = body.stream_options
+        stream_options = body.stream_options
         return _Prepared(
             endpoint=CHAT if chat else COMPLETIONS,
             model=self.config.model_name,
             prompt_ids=prompt_ids,
             config=config,
             stream=body.stream,
-            include_usage=bool(options and options.include_usage),
+            include_usage=bool(stream_options and stream_options.include_usage),
             timeout=min(self.config.request_timeout, body.timeout or self.config.request_timeout),
             id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             created=int(time.time()),
+            options=options,
+            logprobs=bool(options.get("logprobs")),
         )
+
+    def _structured_options(
+        self, body: CompletionRequest | ChatCompletionRequest
+    ) -> dict[str, Any]:
+        """The engine's ``grammar`` / ``logprobs`` / ``top_logprobs`` for this request."""
+        options: dict[str, Any] = {}
+        if isinstance(body, ChatCompletionRequest):
+            if body.top_logprobs and not body.logprobs:
+                raise APIError(
+                    400,
+                    "top_logprobs needs logprobs: true",
+                    param="top_logprobs",
+                    code="invalid_value",
+                )
+            if body.logprobs:
+                options.update(logprobs=True, top_logprobs=body.top_logprobs or 0)
+        elif body.logprobs is not None:
+            options.update(logprobs=True, top_logprobs=body.logprobs)
+        grammar = _grammar(body)
+        if grammar is not None:
+            if importlib.util.find_spec("llguidance") is None:
+                raise APIError(
+                    400,
+                    "structured output needs the grammar engine, which this server lacks; "
+                    "install it with: pip install 'specdec[structured]'",
+                    param="grammar" if body.grammar is not None else "response_format",
+                    code="unsupported",
+                )
+            options["grammar"] = grammar
+        return options
 
     def _completion_prompt(self, prompt: str | list[str] | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -233,6 +277,7 @@ class _Service:
             prepared.config,
             timeout=prepared.timeout,
             loop=asyncio.get_running_loop(),
+            options=prepared.options,
         )
         try:
             self.worker.submit(job)
@@ -266,7 +311,9 @@ class _Renderer(Protocol):
 
     def opening(self, p: _Prepared) -> BaseModel | None: ...
 
-    def chunk(self, p: _Prepared, text: str) -> BaseModel: ...
+    def chunk(
+        self, p: _Prepared, text: str, logprobs: tuple[TokenLogprob, ...] | None
+    ) -> BaseModel: ...
 
     def closing(self, p: _Prepared, final: _Final, method: str) -> BaseModel: ...
 
@@ -277,6 +324,7 @@ class _Renderer(Protocol):
 class _Final:
     finish_reason: str
     stats: RequestStats
+    logprobs: tuple[TokenLogprob, ...] = ()  # every token's, for a whole (non-streamed) body
 
 
 class _Run:
@@ -351,14 +399,16 @@ class _Run:
 
     async def collect(self, request: Request) -> tuple[str, _Final]:
         parts: list[str] = []
+        logprobs: list[TokenLogprob] = []
         final: _Final | None = None
         while True:
             message = await self._next(request)
             if isinstance(message, Produced):
                 event = self._observe(message)
                 parts.append(event.text)
+                logprobs.extend(event.logprobs or ())
                 if event.finish_reason is not None:
-                    final = _Final(event.finish_reason, message.stats)
+                    final = _Final(event.finish_reason, message.stats, tuple(logprobs))
             elif isinstance(message, Ended):
                 if message.outcome is Outcome.DONE and final is not None:
                     return "".join(parts), final
@@ -379,8 +429,8 @@ class _Run:
             message = await self._next(None)
             if isinstance(message, Produced):
                 event = self._observe(message)
-                if event.text:
-                    yield _sse(render.chunk(p, event.text))
+                if event.text or (p.logprobs and event.logprobs):
+                    yield _sse(render.chunk(p, event.text, event.logprobs))
                 if event.finish_reason is not None:
                     final = _Final(event.finish_reason, message.stats)
                     yield _sse(render.closing(p, final, self.service.method))
@@ -464,18 +514,143 @@ class _StreamResponse(EventSourceResponse):
             self._on_close()  # a no-op when the stream already closed its run
 
 
+# -- structured output and logprobs --------------------------------------------------------------
+def _grammar(body: CompletionRequest | ChatCompletionRequest) -> Grammar | None:
+    """The request's constraint from ``response_format`` or the ``grammar`` extra (not both)."""
+    fmt, extra = body.response_format, body.grammar
+    wanted = fmt is not None and fmt.type != "text"
+    if wanted and extra is not None:
+        raise APIError(
+            400,
+            "give either response_format or grammar, not both",
+            param="grammar",
+            code="invalid_value",
+        )
+    try:
+        if fmt is not None and fmt.type == "json_object":
+            return Grammar.json_object()
+        if fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise APIError(
+                    400,
+                    "response_format json_schema needs a json_schema object with a schema",
+                    param="response_format.json_schema",
+                    code="missing_required_parameter",
+                )
+            return Grammar.json_schema(_schema_dict(fmt.json_schema.schema_))
+        if extra is None:
+            return None
+        if extra.type == "json_schema":
+            value = extra.value
+            return Grammar.json_schema(value if isinstance(value, (str, dict)) else {})
+        if not isinstance(extra.value, str):
+            raise APIError(
+                400, f"a {extra.type} grammar is text", param="grammar.value", code="invalid_type"
+            )
+        return Grammar.regex(extra.value) if extra.type == "regex" else Grammar.ebnf(extra.value)
+    except InvalidRequestError as e:
+        param = "grammar" if extra is not None else "response_format"
+        raise errors.from_engine_error(e, {"grammar": param}) from None
+
+
+def _schema_dict(schema: dict[str, Any] | bool) -> dict[str, Any]:
+    return schema if isinstance(schema, dict) else ({} if schema else {"not": {}})
+
+
+# OpenAI's floor for a log-probability it will not print as -inf (JSON has no infinities)
+_LOGPROB_FLOOR = -9999.0
+
+# GPT-2's reversible map from bytes to printable characters (byte-level BPE token strings)
+_BYTE_OF_CHAR: dict[str, int] = {}
+_n = 0
+for _b in range(256):
+    if 33 <= _b <= 126 or 161 <= _b <= 172 or 174 <= _b <= 255:
+        _BYTE_OF_CHAR[chr(_b)] = _b
+    else:
+        _BYTE_OF_CHAR[chr(256 + _n)] = _b
+        _n += 1
+
+
+class _TokenStrings:
+    """Token id -> (text, UTF-8 bytes) for logprobs, cached; byte-level BPE pieces are mapped
+    back to their bytes, other tokenizers' pieces decoded."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tok = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        hit = self._cache.get(token_id)
+        if hit is not None:
+            return hit
+        piece = self._tok.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str) and piece and all(ch in _BYTE_OF_CHAR for ch in piece):
+            raw = bytes(_BYTE_OF_CHAR[ch] for ch in piece)
+        else:
+            raw = self._tok.decode([token_id]).encode("utf-8")
+        out = (raw.decode("utf-8", errors="replace"), list(raw))
+        self._cache[token_id] = out
+        return out
+
+
+def _lp(x: float) -> float:
+    return x if math.isfinite(x) else _LOGPROB_FLOOR
+
+
+def _chat_logprobs(
+    strings: _TokenStrings, items: tuple[TokenLogprob, ...] | None
+) -> ChatLogprobs | None:
+    if items is None:
+        return None
+    content = []
+    for item in items:
+        text, raw = strings(item.token_id)
+        top = []
+        for tid, value in item.top:
+            t_text, t_raw = strings(tid)
+            top.append(TopLogprob(token=t_text, logprob=_lp(value), bytes=t_raw))
+        content.append(
+            ChatTokenLogprob(token=text, logprob=_lp(item.logprob), bytes=raw, top_logprobs=top)
+        )
+    return ChatLogprobs(content=content)
+
+
+def _completion_logprobs(
+    strings: _TokenStrings, items: tuple[TokenLogprob, ...] | None, offset: int = 0
+) -> CompletionLogprobs | None:
+    if items is None:
+        return None
+    out = CompletionLogprobs(top_logprobs=[])
+    for item in items:
+        text, _ = strings(item.token_id)
+        out.tokens.append(text)
+        out.token_logprobs.append(_lp(item.logprob))
+        assert out.top_logprobs is not None
+        out.top_logprobs.append({strings(t)[0]: _lp(v) for t, v in item.top})
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
 # -- renderers ------------------------------------------------------------------------------------
 def _speculation(method: str, final: _Final) -> Speculation:
     return Speculation.of(method, final.stats)
 
 
 class _CompletionRenderer:
+    def __init__(self, strings: _TokenStrings) -> None:
+        self.strings = strings
+        self._offsets: dict[str, int] = {}  # streamed requests: text offset so far, by id
+
     def whole(self, p: _Prepared, text: str, final: _Final, method: str) -> dict[str, Any]:
+        logprobs = _completion_logprobs(self.strings, final.logprobs) if p.logprobs else None
         return CompletionResponse(
             id=p.id,
             created=p.created,
             model=p.model,
-            choices=[CompletionChoice(text=text, finish_reason=final.finish_reason)],
+            choices=[
+                CompletionChoice(text=text, finish_reason=final.finish_reason, logprobs=logprobs)
+            ],
             usage=Usage.of(final.stats),
             speculation=_speculation(method, final),
         ).model_dump(mode="json")
@@ -483,15 +658,25 @@ class _CompletionRenderer:
     def opening(self, p: _Prepared) -> BaseModel | None:
         return None
 
-    def chunk(self, p: _Prepared, text: str) -> BaseModel:
+    def chunk(
+        self, p: _Prepared, text: str, logprobs: tuple[TokenLogprob, ...] | None
+    ) -> BaseModel:
+        rendered = None
+        if p.logprobs:
+            offset = self._offsets.get(p.id, 0)
+            rendered = _completion_logprobs(self.strings, logprobs, offset)
+            self._offsets[p.id] = offset + sum(
+                len(t) for t in (rendered.tokens if rendered else [])
+            )
         return CompletionResponse(
             id=p.id,
             created=p.created,
             model=p.model,
-            choices=[CompletionChoice(text=text, finish_reason=None)],
+            choices=[CompletionChoice(text=text, finish_reason=None, logprobs=rendered)],
         )
 
     def closing(self, p: _Prepared, final: _Final, method: str) -> BaseModel:
+        self._offsets.pop(p.id, None)
         return CompletionResponse(
             id=p.id,
             created=p.created,
@@ -511,14 +696,20 @@ class _CompletionRenderer:
 
 
 class _ChatRenderer:
+    def __init__(self, strings: _TokenStrings) -> None:
+        self.strings = strings
+
     def whole(self, p: _Prepared, text: str, final: _Final, method: str) -> dict[str, Any]:
+        logprobs = _chat_logprobs(self.strings, final.logprobs) if p.logprobs else None
         return ChatCompletionResponse(
             id=p.id,
             created=p.created,
             model=p.model,
             choices=[
                 ChatChoice(
-                    message=AssistantMessage(content=text), finish_reason=final.finish_reason
+                    message=AssistantMessage(content=text),
+                    finish_reason=final.finish_reason,
+                    logprobs=logprobs,
                 )
             ],
             usage=Usage.of(final.stats),
@@ -528,8 +719,11 @@ class _ChatRenderer:
     def opening(self, p: _Prepared) -> BaseModel | None:
         return self._chunk(p, Delta(role="assistant", content=""))
 
-    def chunk(self, p: _Prepared, text: str) -> BaseModel:
-        return self._chunk(p, Delta(content=text))
+    def chunk(
+        self, p: _Prepared, text: str, logprobs: tuple[TokenLogprob, ...] | None
+    ) -> BaseModel:
+        rendered = _chat_logprobs(self.strings, logprobs) if p.logprobs else None
+        return self._chunk(p, Delta(content=text), rendered)
 
     def closing(self, p: _Prepared, final: _Final, method: str) -> BaseModel:
         return ChatCompletionChunk(
@@ -549,12 +743,14 @@ class _ChatRenderer:
             usage=Usage.of(final.stats),
         )
 
-    def _chunk(self, p: _Prepared, delta: Delta) -> ChatCompletionChunk:
+    def _chunk(
+        self, p: _Prepared, delta: Delta, logprobs: ChatLogprobs | None = None
+    ) -> ChatCompletionChunk:
         return ChatCompletionChunk(
             id=p.id,
             created=p.created,
             model=p.model,
-            choices=[ChatChunkChoice(delta=delta)],
+            choices=[ChatChunkChoice(delta=delta, logprobs=logprobs)],
         )
 
 
@@ -627,7 +823,8 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
             )
         return card()
 
-    completion_renderer, chat_renderer = _CompletionRenderer(), _ChatRenderer()
+    strings = _TokenStrings(service.tokenizer)
+    completion_renderer, chat_renderer = _CompletionRenderer(strings), _ChatRenderer(strings)
 
     async def generate(
         body: CompletionRequest | ChatCompletionRequest, request: Request, render: _Renderer

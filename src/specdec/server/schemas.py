@@ -3,7 +3,8 @@
 Requests carry only *types* here; value ranges (temperature >= 0, top_p in (0, 1], max_tokens
 >= 1 and within the context) are checked by the engine's own frozen configs, so the server and
 the library cannot disagree about what is valid. Unknown fields are ignored, as OpenAI clients
-send optional extras, but features the engine cannot honour are refused rather than dropped.
+send optional extras, but features the engine cannot honour are refused rather than dropped:
+every OpenAI request field is either honoured or listed in ``UNSUPPORTED`` (docs/server.md).
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ from specdec.metrics import RequestStats
 # Features a client might ask for that this server cannot honour: refusing them (400) is better
 # than silently answering something else. Value = the field's "not used" values.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
@@ -26,12 +25,57 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
     "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None,),
     "functions": (None, []),
+    "function_call": (None, "none"),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "verbosity": (None,),
+    "web_search_options": (None,),
+    "service_tier": (None, "auto", "default"),
+    "store": (None, False),
+    "metadata": (None, {}),
+    "prompt_cache_key": (None,),
+    "prompt_cache_retention": (None,),
+    "safety_identifier": (None,),
 }
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JSONSchemaFormat(BaseModel):
+    """``response_format.json_schema``: OpenAI's named schema (``strict`` is always honoured:
+    output is constrained to the schema whatever its value)."""
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(default=True, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` (one JSON object)
+    or ``json_schema`` (JSON valid against ``json_schema.schema``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class GrammarSpec(BaseModel):
+    """specdec extra ``grammar``: ``{"type": "regex" | "ebnf" | "json_schema", "value": ...}``
+    (EBNF in Lark or llama.cpp GBNF syntax; a JSON schema as an object or its text)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["regex", "ebnf", "json_schema"]
+    value: str | dict[str, Any]
 
 
 class _SamplingRequest(BaseModel):
@@ -54,6 +98,10 @@ class _SamplingRequest(BaseModel):
     # specdec extra: this request's time budget in seconds (queueing + decoding), at most the
     # server's --request-timeout
     timeout: float | None = Field(default=None, gt=0)
+    # structured output: OpenAI's response_format, or the specdec extra grammar
+    response_format: ResponseFormat | None = None
+    grammar: GrammarSpec | None = None
+    user: str | None = None  # an end-user identifier for the client's own records; no effect
 
     def unsupported_field(self) -> str | None:
         """The first field set to a feature this server does not implement, if any."""
@@ -72,6 +120,9 @@ class _SamplingRequest(BaseModel):
 class CompletionRequest(_SamplingRequest):
     # A string, a one-element list of strings, or a list of token ids.
     prompt: str | list[str] | list[int]
+    # legacy shape: the number of most likely alternatives to list per token (0: the chosen
+    # token's log-prob only)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
 
 
 class TextPart(BaseModel):
@@ -94,6 +145,8 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None  # newer clients send this instead of max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
 
 # -- responses ------------------------------------------------------------------------------------
@@ -142,10 +195,34 @@ class Speculation(BaseModel):
         )
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: parallel lists, one entry per token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] | None = None
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
 
 
@@ -167,7 +244,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str
 
 
@@ -189,7 +266,7 @@ class Delta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

@@ -19,6 +19,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from specdec.config import GenerationConfig
 from specdec.errors import SpecDecError
@@ -27,7 +28,8 @@ from specdec.metrics import RequestStats
 
 log = logging.getLogger(__name__)
 
-StreamFn = Callable[[Sequence[int], GenerationConfig], Iterator[TokenEvent]]
+# the engine's stream_ids; a job's ``options`` (grammar, logprobs) go as keyword arguments
+StreamFn = Callable[..., Iterator[TokenEvent]]
 
 
 class QueueFullError(SpecDecError):
@@ -91,9 +93,12 @@ class Job:
         *,
         timeout: float,
         loop: asyncio.AbstractEventLoop,
+        options: dict[str, Any] | None = None,
     ) -> None:
         self.prompt_ids = list(prompt_ids)
         self.config = config
+        # keyword arguments of the engine's stream_ids beyond the config: grammar, logprobs
+        self.options = dict(options or {})
         self.submitted = time.perf_counter()
         self.deadline = time.monotonic() + timeout
         self.messages: asyncio.Queue[Message] = asyncio.Queue()
@@ -264,7 +269,8 @@ class EngineWorker:
             return Outcome.CANCELLED
         if job.expired:
             return Outcome.TIMEOUT
-        events = self._stream(job.prompt_ids, job.config)  # raises eagerly on a bad request
+        # raises eagerly on a bad request
+        events = self._stream(job.prompt_ids, job.config, **job.options)
         try:
             job.post(Started(time.perf_counter()))
             for event in events:

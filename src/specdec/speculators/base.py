@@ -21,6 +21,7 @@ from specdec.tree import DraftTree
 from specdec.verify import Acceptance
 
 if TYPE_CHECKING:
+    from specdec.grammar import GrammarConstraint
     from specdec.target import LoadedModel
 
 
@@ -32,7 +33,9 @@ class DraftContext:
     speculator's ``feature_layers`` concatenated) at the positions that produced the tokens
     committed last; the last row produced the root. ``costs`` prices verification for tree
     speculators that size their own trees: the engine's measured cost model for greedy requests,
-    its frozen prior for sampled ones (whose output must not depend on timing)."""
+    its frozen prior for sampled ones (whose output must not depend on timing). ``constraint``
+    is the request's grammar constraint, if any: the engine prunes drafts it forbids and drafts
+    the tokens it forces, so a speculator may ignore it (or consult it to draft better)."""
 
     tokens: list[int]
     prompt_len: int
@@ -40,6 +43,7 @@ class DraftContext:
     generator: torch.Generator
     features: torch.Tensor | None = None  # [M, H]
     costs: CostModel | None = None
+    constraint: GrammarConstraint | None = None
 
     def tree_cost(self, nodes: int) -> float:
         """Verification cost of a tree of ``nodes`` nodes (root included) in plain steps.
@@ -110,6 +114,14 @@ class Speculator:
 
     def watch(self, context: DraftContext) -> None:
         """A step's committed context when another speculator drafts (see ``watches``)."""
+
+    def catch_up_seconds(self) -> float:
+        """Seconds of the last :meth:`propose` spent catching up on committed context (a draft
+        model reading the tokens it had not seen) rather than drafting. Pricing leaves it out
+        of the per-token drafting cost: after steps without drafts the catch-up grows with the
+        gap, and charging it to the next draft's tokens would price drafting out of reach
+        exactly when it stopped (the adaptive budget then never drafts again)."""
+        return 0.0
 
 
 def build_speculator(target: LoadedModel, options: SpeculatorOptions | str) -> Speculator:
