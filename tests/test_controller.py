@@ -18,6 +18,7 @@ import torch
 
 from specdec import SpeculativeEngine
 from specdec.control import CostModel
+from specdec.control.arms import ArmController
 from specdec.control.calibration import (
     CostCalibration,
     load_cost_calibration,
@@ -27,7 +28,6 @@ from specdec.control.calibration import (
 from specdec.control.controller import ArmSpec, Choice, Controller, ControllerConfig
 from specdec.errors import CheckpointError, ConfigError, UnknownSpeculatorError
 from specdec.speculators import PromptLookupSpeculator, Speculator
-from specdec.control.arms import ArmController
 from specdec.target import load_model
 from specdec.testing import MarkovSpeculator, MarkovTarget, ScriptedSpeculator, word_tokenizer
 from specdec.tree import DraftTree
@@ -458,7 +458,9 @@ def test_auto_sampled_output_depends_on_the_seed_only(tiny64):
     """Timings and other requests' greedy traffic do not change a seeded sampled output (the
     suffix cache is left out: what it learns from other requests changes any method's drafts,
     hence which random numbers are drawn)."""
-    engine = SpeculativeEngine.from_pretrained(tiny64, speculator="auto:arms=prompt-lookup+lookahead")
+    engine = SpeculativeEngine.from_pretrained(
+        tiny64, speculator="auto:arms=prompt-lookup+lookahead"
+    )
     kw = dict(max_new_tokens=30, temperature=0.8, seed=3, ignore_eos=True)
     first = engine.generate(PROMPTS[1], **kw)
     engine.generate(PROMPTS[2], max_new_tokens=30, ignore_eos=True)  # greedy traffic in between
@@ -492,8 +494,8 @@ def test_doctests():
     import doctest
 
     from specdec.bench import methods
-    from specdec.control import budget, calibration, controller
     from specdec.control import arms as auto
+    from specdec.control import budget, calibration, controller
 
     for module in (budget, calibration, controller, auto, methods):
         assert doctest.testmod(module).failed == 0, module.__name__
@@ -518,7 +520,6 @@ def test_calibrate_cost_cli(tiny_model_dir, tmp_path, monkeypatch):
 def test_bench_runs_auto_and_reports_its_choices():
     from specdec.bench.methods import parse_methods
     from specdec.bench.report import choice_table
-
     from specdec.speculators import parse_spec
 
     specs = parse_methods("auto:suffix+prompt-lookup,auto")

@@ -75,10 +75,15 @@ def find_tests(module: ModuleType) -> list[doctest.DocTest]:
             continue
         for attr, value in vars(cls).items():
             if isinstance(value, functools.cached_property) and value.__doc__:
-                tests.append(parser.get_doctest(
-                    value.__doc__, dict(vars(module)), f"{module.__name__}.{cls.__qualname__}."
-                    f"{attr}", module.__file__, value.func.__code__.co_firstlineno + 1,
-                ))
+                tests.append(
+                    parser.get_doctest(
+                        value.__doc__,
+                        dict(vars(module)),
+                        f"{module.__name__}.{cls.__qualname__}.{attr}",
+                        module.__file__,
+                        value.func.__code__.co_firstlineno + 1,
+                    )
+                )
     return sorted((t for t in tests if t.examples), key=lambda t: t.name)
 
 

@@ -75,8 +75,10 @@ def test_calibrations_in_the_real_user_cache_are_not_seen(tiny, isolated_cache, 
     assert saved_choice(tiny) == "skip:2@0.2"
     # The same files in the developer's cache: not seen.
     real = specdec_cache.real_root
-    with moved_to_real_cache(cost, isolated_cache, real) as planted_cost, \
-            moved_to_real_cache(self_choice, isolated_cache, real) as planted_choice:
+    with (
+        moved_to_real_cache(cost, isolated_cache, real) as planted_cost,
+        moved_to_real_cache(self_choice, isolated_cache, real) as planted_choice,
+    ):
         assert json.loads(planted_cost.read_text())["chain_ratio"]["2"] == 3.7
         assert planted_choice.is_file() and not cost.exists() and not self_choice.exists()
         engine = SpeculativeEngine.from_pretrained(tiny, speculator="prompt-lookup")
@@ -93,8 +95,9 @@ def test_the_real_user_cache_is_refused(specdec_cache, monkeypatch):
 def test_subprocesses_inherit_the_isolated_cache(isolated_cache: Path):
     code = "from specdec.target.loading import cache_root; print(cache_root())"
     assert os.environ["XDG_CACHE_HOME"] == str(isolated_cache.parent)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=300, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    ).stdout
     assert Path(out.strip()) == isolated_cache
 
 

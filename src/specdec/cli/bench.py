@@ -23,6 +23,7 @@ from rich.table import Table
 
 from specdec.bench.errors import PLOTS_INSTALL
 from specdec.cli.common import (
+    DeviceOpt,
     DtypeOpt,
     GgufOpt,
     KOpt,
@@ -142,6 +143,7 @@ def bench(
     model: ModelOpt = None,
     gguf: GgufOpt = None,
     dtype: DtypeOpt = "float32",
+    device: DeviceOpt = "cpu",
     num_draft_tokens: KOpt = 5,
     threads: Annotated[
         int | None,
@@ -214,6 +216,7 @@ def bench(
             quick,
             plots,
             _no_plots_note(asked, plots),
+            device=device,
         )
 
 
@@ -256,6 +259,8 @@ def _run(
     quick: bool,
     plots: bool,
     plots_note: str = "",
+    *,
+    device: str = "cpu",
 ) -> None:
     import torch
 
@@ -298,7 +303,7 @@ def _run(
             raise InvalidRequestError(f"--threads must be >= 1, got {threads}", "threads")
         torch.set_num_threads(threads)
 
-    loaded = load_target(model, gguf, dtype)
+    loaded = load_target(model, gguf, dtype, device=device)
     runners = build_runners(loaded, specs, num_draft_tokens)
     prompt_ids = harness.encode_questions(loaded, questions, config.chat)
     env = harness.environment(loaded)

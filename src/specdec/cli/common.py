@@ -22,7 +22,27 @@ err_console = Console(stderr=True)
 
 ModelOpt = Annotated[
     Path | None,
-    typer.Option("--model", help="Local Hugging Face model directory (default: bundled model)."),
+    typer.Option(
+        "--model",
+        help="Local Hugging Face model directory, or a model pack alias (qwen2.5-coder-1.5b, "
+        "qwen2.5-coder-0.5b; default: the bundled SmolLM2-135M-Instruct).",
+    ),
+]
+DeviceOpt = Annotated[
+    str,
+    typer.Option(
+        "--device",
+        help="cpu | cuda | cuda:N | auto (CUDA when present), each with its fastest "
+        "exact numerics.",
+    ),
+]
+ChatTemplateOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--chat-template",
+        help="Chat template file (.jinja, or a JSON file with a chat_template field) for a model "
+        "that has none (many GGUF files).",
+    ),
 ]
 GgufOpt = Annotated[Path | None, typer.Option("--gguf", help="GGUF file to load as the target.")]
 SPECULATOR_HELP = (
@@ -151,7 +171,11 @@ def user_errors() -> Iterator[None]:
 
 
 def load_target(
-    model: Path | None, gguf: Path | None, dtype: str, threads: int | None = None
+    model: Path | None,
+    gguf: Path | None,
+    dtype: str,
+    threads: int | None = None,
+    device: str = "cpu",
 ) -> Any:
     """Load the target alone (training, data generation), announcing a one-time conversion;
     ``threads`` sets torch's thread count first."""
@@ -162,7 +186,7 @@ def load_target(
 
         torch.set_num_threads(threads)
     _announce_conversion(model, gguf)
-    return load_model(model, gguf=gguf, dtype=dtype)
+    return load_model(model, gguf=gguf, dtype=dtype, device=device)
 
 
 def _announce_conversion(model: Path | None, gguf: Path | None) -> None:
@@ -196,6 +220,9 @@ def load_engine(
     adaptive: bool = True,
     typical: bool = False,
     threads: int | None = None,
+    *,
+    device: str = "cpu",
+    chat_template: Path | None = None,
 ) -> Any:
     """Build the engine from the engine options generate and serve share, telling the user
     about the one-time GGUF conversion. The spec is parsed first, so a bad one fails before
@@ -217,6 +244,8 @@ def load_engine(
         dtype=dtype,
         adaptive=adaptive,
         typical_acceptance=typical,
+        device=device,
+        chat_template=chat_template,
     )
 
 

@@ -10,6 +10,8 @@ from rich.markup import escape
 
 from specdec.cli.common import (
     AdaptiveOpt,
+    ChatTemplateOpt,
+    DeviceOpt,
     DtypeOpt,
     GgufOpt,
     KOpt,
@@ -42,6 +44,8 @@ def serve(
     adaptive: AdaptiveOpt = True,
     typical: TypicalOpt = False,
     dtype: DtypeOpt = "float32",
+    device: DeviceOpt = "cpu",
+    chat_template: ChatTemplateOpt = None,
     threads: ThreadsOpt = None,
     host: Annotated[
         str, typer.Option(help="Interface to listen on (loopback by default).")
@@ -73,7 +77,16 @@ def serve(
             request_timeout=request_timeout,
         )
         engine = load_engine(
-            model, gguf, speculator, num_draft_tokens, dtype, adaptive, typical, threads
+            model,
+            gguf,
+            speculator,
+            num_draft_tokens,
+            dtype,
+            adaptive,
+            typical,
+            threads,
+            device=device,
+            chat_template=chat_template,
         )
         app = create_app(engine, config)
     err_console.print(

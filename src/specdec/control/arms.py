@@ -127,6 +127,7 @@ class ArmController:
         self._unchosen: list[_Unchosen] = []
         self._backlog: dict[str, list[torch.Tensor]] = {}  # deferred watch rows, per arm
         self._backlog_end: dict[str, int] = {}  # the position the backlog's rows reach
+        self._catch_up_seconds = 0.0
 
     def bind_costs(self, costs: CostModel) -> None:
         """Price drafts with ``costs`` (the engine's: calibrated, refined from every timed
@@ -202,11 +203,18 @@ class ArmController:
         own = self._context_for(name, context)
         self._catch_up(name, own)
         t0 = time.perf_counter()
-        tree = self.arms[name].propose(own, budget)
-        return tree, time.perf_counter() - t0
+        arm = self.arms[name]
+        tree = arm.propose(own, budget)
+        self._catch_up_seconds = arm.catch_up_seconds()
+        return tree, max(0.0, time.perf_counter() - t0 - self._catch_up_seconds)
+
+    def catch_up_seconds(self) -> float:
+        """The catch-up time of the last on-demand draft (see Speculator.catch_up_seconds)."""
+        return self._catch_up_seconds
 
     def draft(self, context: DraftContext, budget: int) -> DraftTree:
         """This step's draft: from the arm the controller expects to pay best, or none."""
+        self._catch_up_seconds = 0.0
         if self._fresh:
             # greedy: one controller learns across requests; sampled: a fresh one on the
             # frozen prior, so the output depends on the seed alone

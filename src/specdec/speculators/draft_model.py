@@ -11,6 +11,7 @@ longest common prefix, so rejected drafts are rolled back without any bookkeepin
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -34,6 +35,11 @@ class DraftOptions(SpeculatorOptions):
     min_confidence: float = option(
         0.0, help="stop a draft after a token whose draft probability is below this"
     )
+    dtype: str | None = option(
+        None,
+        help="the draft's own numerics (float32, bfloat16, fp16-weights, ...; default: the "
+        "target's); it cannot change the output, which the target verifies",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -41,6 +47,15 @@ class DraftOptions(SpeculatorOptions):
             raise ConfigError(f"draft: min_confidence must be in [0, 1), got {self.min_confidence}")
         if self.model.startswith("layers:") and not self.model[7:].isdigit():
             raise ConfigError(f"draft: model={self.model!r}: expected layers:N with N an integer")
+        if self.model.startswith("layers:") and self.dtype is not None:
+            raise ConfigError(
+                "draft: a layers:N draft shares the target's weights, so it runs in the "
+                "target's numerics; drop dtype= or use a separate draft model"
+            )
+        if self.dtype is not None:
+            from specdec.target.numerics import get_numerics
+
+            get_numerics(self.dtype)  # an unknown name fails here, before anything loads
 
 
 class DraftModelSpeculator(Speculator):
@@ -56,6 +71,8 @@ class DraftModelSpeculator(Speculator):
         self.runner = runner
         self.description = description
         self.min_confidence = min_confidence
+        self._step_seconds = 0.0  # running average of a first forward over <= 2 tokens
+        self._catch_up = 0.0
 
     def reset(self) -> None:
         self.runner.reset()
@@ -68,7 +85,9 @@ class DraftModelSpeculator(Speculator):
         # Reuse the cached prefix; at least the last committed token is fed to get its logits.
         keep = min(common_prefix_len(cache.tokens, tokens), len(tokens) - 1)
         cache.rollback(keep)
+        t0 = time.perf_counter()
         logits = self.runner.forward(tokens[keep:], logits_to_keep=1)[-1]  # [V]
+        self._account_catch_up(len(tokens) - keep, time.perf_counter() - t0)
         greedy = context.sampling.greedy
         drafts: list[int] = []
         q_rows: list[torch.Tensor] = []
@@ -90,6 +109,21 @@ class DraftModelSpeculator(Speculator):
         if q_rows:
             draft_probs = torch.stack([torch.zeros_like(q_rows[0]), *q_rows])  # [N, V]
         return DraftTree.chain(tokens[-1], drafts, draft_probs)
+
+    def _account_catch_up(self, fed: int, seconds: float) -> None:
+        """Split the first forward of a draft into catch-up and drafting: feeding the root
+        (and, after a fully accepted step, the last draft token) is what every draft costs;
+        anything beyond is the gap since this speculator last drafted. The part beyond one
+        single-token forward (a running average) counts as catch-up."""
+        if fed <= 2:
+            d = 0.8 if self._step_seconds > 0 else 0.0
+            self._step_seconds = d * self._step_seconds + (1 - d) * seconds
+            self._catch_up = 0.0
+        else:
+            self._catch_up = max(0.0, seconds - self._step_seconds)
+
+    def catch_up_seconds(self) -> float:
+        return self._catch_up
 
     def _confident(self, logits: torch.Tensor) -> bool:  # logits [V]
         if self.min_confidence <= 0.0:
@@ -125,7 +159,7 @@ def _build(target: LoadedModel, options: DraftOptions) -> DraftModelSpeculator:
         return DraftModelSpeculator(
             ModelRunner(model), f"first {n} layers of the target", options.min_confidence
         )
-    draft = load_model(spec, dtype=target.dtype_name)
+    draft = load_model(spec, dtype=options.dtype or target.dtype_name, device=target.device)
     check_same_vocabulary(target, draft)
     runner = ModelRunner(draft.model)
     return DraftModelSpeculator(runner, f"draft model {draft.source}", options.min_confidence)

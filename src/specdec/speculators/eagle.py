@@ -150,8 +150,9 @@ class EagleSpeculator(Speculator):
             assert self._past is not None
             self._past = (self._past[0][:, :, :first], self._past[1][:, :, :first])
         state = self.head.fuse(features[-n:].to(torch.float32))[None]  # [1, n, H]
-        ids = torch.tensor([tokens[first + 1 : root_pos + 1]], dtype=torch.long)  # [1, n]
-        positions = torch.arange(first, root_pos)[None]  # [1, n]
+        device = state.device
+        ids = torch.tensor([tokens[first + 1 : root_pos + 1]], dtype=torch.long, device=device)
+        positions = torch.arange(first, root_pos, device=device)[None]  # [1, n]
         out, (k, v) = self.head(state, ids, positions, self._past)
         self._past = extend_kv(self._past, (k, v))
         self._root_state = (root_pos, out[0, -1])
@@ -185,7 +186,8 @@ class EagleSpeculator(Speculator):
         k = self.tree.top_k
         values, ids = self._children(h_root[None])
         nodes = [
-            _Node(int(t), -1, float(v), 1, h_root) for v, t in zip(values[0], ids[0], strict=True)
+            _Node(int(t), -1, float(v), 1, h_root)
+            for v, t in zip(values[0].tolist(), ids[0].tolist(), strict=True)
         ]
         frontier = list(range(len(nodes)))
         assert self._past is not None
@@ -194,9 +196,10 @@ class EagleSpeculator(Speculator):
         slot: dict[int, int] = {}  # node -> index of its KV entry among the tree's entries
         for depth in range(2, self.tree.depth + 1):
             states = torch.stack([nodes[i].state for i in frontier])[None]  # [1, F, H]
-            ids_in = torch.tensor([[nodes[i].token for i in frontier]])
-            positions = torch.full((1, len(frontier)), root_pos + depth - 2)
-            mask = self._tree_mask(nodes, frontier, slot, cached)
+            device = states.device
+            ids_in = torch.tensor([[nodes[i].token for i in frontier]], device=device)
+            positions = torch.full((1, len(frontier)), root_pos + depth - 2, device=device)
+            mask = self._tree_mask(nodes, frontier, slot, cached).to(device)
             out, (k_new, v_new) = self.head(states, ids_in, positions, past, mask)
             for i in frontier:
                 slot[i] = len(slot)

@@ -194,7 +194,7 @@ def check_heads_fit(heads: MedusaHeads, target: LoadedModel) -> None:
 @register("medusa", MedusaOptions)
 def _build(target: LoadedModel, options: MedusaOptions) -> MedusaSpeculator:
     """K heads on the target's last hidden state draft a token tree in one shot"""
-    heads = load_medusa(options.dir)
+    heads = load_medusa(options.dir).to(target.device)  # beside the features it reads
     check_heads_fit(heads, target)
     topology = resolve_topology(options.tree, heads)
     return MedusaSpeculator(heads, topology, sized=sized_per_step(options.tree))

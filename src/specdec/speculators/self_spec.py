@@ -1,4 +1,4 @@
-"""Self-speculation (``--speculator self``): the target drafts for itself with a subset of its layers.
+"""Self-speculation (``self``): the target drafts for itself with a subset of its layers.
 
 The draft shares the target's modules (no weight copy, the target's config untouched; see
 :mod:`specdec.target.early_exit`) and drafts a chain over its own KV cache with
