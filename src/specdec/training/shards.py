@@ -28,7 +28,7 @@ import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,7 @@ from specdec.training.data import (
     DataManifest,
     Record,
     SelfDistilledData,
+    _chunks,
     generate_batch,
 )
 from specdec.training.progress import NullBar, ProgressFactory
@@ -529,6 +530,3 @@ def _answer(
     return [got[k] for k in sorted(got)], skipped
 
 
-def _chunks(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
-    for i in range(0, len(items), size):
-        yield items[i : i + size]
