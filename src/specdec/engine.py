@@ -18,6 +18,7 @@ from specdec.control.calibration import load_cost_calibration
 from specdec.errors import ConfigError, InvalidRequestError
 from specdec.events import GenerationResult, TokenEvent
 from specdec.grammar import Grammar, GrammarCompiler, GrammarConstraint
+from specdec.grammar.constraint import ConstrainedTree
 from specdec.logprobs import TokenLogprob, token_logprobs
 from specdec.metrics import RequestStats
 from specdec.request import Prompt, check_fits, encode_prompt
@@ -67,10 +68,27 @@ class _Request:
     constraint: GrammarConstraint | None = None  # the request's grammar (specdec.grammar)
     logprobs: int | None = None  # None: off; n: each token's log-prob and the top n
     step_logprobs: list[TokenLogprob] = field(default_factory=list)  # the last step's
+    # who drafts for this request: the engine's own, or a fork of it (batched decoding)
+    speculator: Speculator = field(default_factory=NoSpeculator)
+    arms: ArmController | None = None
 
     @property
     def remaining(self) -> int:
         return self.config.max_new_tokens - (len(self.tokens) - self.prompt_len)
+
+
+@dataclass
+class _Proposal:
+    """One step's draft before verification: what the speculator proposed, the tree the target
+    verifies (the proposal pruned by the request's grammar), and the timings so far."""
+
+    budget: int
+    proposed: DraftTree
+    tree: DraftTree
+    constrained: ConstrainedTree | None
+    draft_seconds: float
+    grammar_seconds: float
+    catch_up_seconds: float
 
 
 class SpeculativeEngine:
@@ -254,6 +272,29 @@ class SpeculativeEngine:
         logprobs: bool = False,
         top_logprobs: int = 0,
     ) -> Iterator[TokenEvent]:
+        req = self.new_request(
+            prompt_ids,
+            config,
+            speculate=speculate,
+            grammar=grammar,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+        )
+        return self._run(req)
+
+    def new_request(
+        self,
+        prompt_ids: Sequence[int],
+        config: GenerationConfig,
+        *,
+        speculate: bool = True,
+        grammar: Grammar | None = None,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
+        fork: bool = False,
+    ) -> _Request:
+        """A validated request (bad arguments raise here, before any work). ``fork``: with
+        its own speculator instances, for batched decoding (:mod:`specdec.batch`)."""
         check_fits(len(prompt_ids), config.max_new_tokens, self.context_length)
         if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int):
             raise InvalidRequestError("top_logprobs must be an integer", param="top_logprobs")
@@ -263,7 +304,7 @@ class SpeculativeEngine:
             )
         constraint = self._constraint(grammar, config)
         wanted = top_logprobs if logprobs else None
-        return self._run(list(prompt_ids), config, speculate, constraint, wanted)
+        return self._new_request(list(prompt_ids), config, speculate, constraint, wanted, fork=fork)
 
     def _constraint(
         self, grammar: Grammar | None, config: GenerationConfig
@@ -286,16 +327,26 @@ class SpeculativeEngine:
             self._grammar_compiler = GrammarCompiler(self.tokenizer, sorted(self.eos_token_ids))
         return self._grammar_compiler.constraint(grammar)
 
-    def _run(
+    def _new_request(
         self,
         prompt_ids: list[int],
         config: GenerationConfig,
         speculate: bool,
         constraint: GrammarConstraint | None = None,
         logprobs: int | None = None,
-    ) -> Iterator[TokenEvent]:
+        *,
+        fork: bool = False,
+    ) -> _Request:
+        """A request's state; ``fork`` gives it its own speculator instances (batched decoding:
+        each sequence keeps its own drafter state)."""
         started = time.perf_counter()
         greedy = config.sampling.greedy
+        speculator, arms = self.speculator, self.arms
+        if fork and speculate:
+            if arms is not None:
+                arms = arms.fork()
+            else:
+                speculator = speculator.fork()
         req = _Request(
             tokens=prompt_ids,
             prompt_len=len(prompt_ids),
@@ -310,16 +361,22 @@ class SpeculativeEngine:
             started=started,
             constraint=constraint,
             logprobs=logprobs,
+            speculator=speculator,
+            arms=arms,
         )
         req.stats.prompt_tokens = len(prompt_ids)
         req.stats.lossless = req.rule.lossless
+        return req
+
+    def _run(self, req: _Request) -> Iterator[TokenEvent]:
+        speculate = not req.plain
         if speculate:
             for s in self.speculators:
                 s.reset()
             if self.arms is not None:
                 self.arms.reset()
-        self.target.begin(prompt_ids)
-        req.stats.prefill_seconds = time.perf_counter() - started
+        self.target.begin(req.tokens)
+        req.stats.prefill_seconds = time.perf_counter() - req.started
         try:
             yield from self._loop(req)
         finally:
@@ -328,37 +385,11 @@ class SpeculativeEngine:
                     s.end_request(list(req.tokens), req.prompt_len)
 
     def _loop(self, req: _Request) -> Iterator[TokenEvent]:
-        config = req.config
-        detok = IncrementalDetokenizer(self.tokenizer, req.tokens)
-        stopper = StopMatcher(config.stop)
+        emitter = Emitter(self, req)
         while True:
-            acceptance = self.step(req)
-            emitted: list[int] = []
-            text, finish, stop_hit = "", None, False
-            for token in acceptance.tokens:
-                if token in self.eos_token_ids and not config.ignore_eos:
-                    finish = "stop"
-                    break
-                emitted.append(token)
-                req.tokens.append(token)
-                delta, stop_hit = stopper.feed(detok.push(token))
-                text += delta
-                if stop_hit:
-                    finish = "stop"
-                    break
-                if req.remaining <= 0:
-                    finish = "length"
-                    break
-            if finish is not None and not stop_hit:
-                delta, stop_hit = stopper.feed(detok.flush())
-                text += delta
-                if not stop_hit:
-                    text += stopper.flush()  # release text held back for a possible stop
-            req.stats.new_tokens = len(req.tokens) - req.prompt_len
-            req.stats.seconds = time.perf_counter() - req.started
-            lps = None if req.logprobs is None else tuple(req.step_logprobs[: len(emitted)])
-            yield TokenEvent(tuple(emitted), text, finish, req.stats.snapshot(), lps)
-            if finish is not None:
+            event = emitter.emit(self.step(req))
+            yield event
+            if event.finish_reason is not None:
                 return
 
     def _budget_policy(self, config: GenerationConfig) -> AdaptiveBudget | FixedBudget | NodeBudget:
@@ -374,68 +405,115 @@ class SpeculativeEngine:
         """One speculative step: the controller drafts (choosing the speculator and the size),
         the target verifies in one pass, the rule accepts, the cache commits, the drafter
         observes."""
-        root = req.tokens[-1]
         room = self.context_length - len(req.tokens)
         budget = 0 if req.plain else req.budget.choose(req.remaining, room)
+        proposal = self.propose(req, budget, self.target.features)
+        t1 = time.perf_counter()
+        logits = self.target.verify(proposal.tree)  # [N, V]
+        acceptance, scored = self.accept(req, proposal, logits)
+        self.target.commit(acceptance.path)
+        t2 = time.perf_counter()
+        self.settle(req, proposal, acceptance, logits, scored)
+        req.stats.verify_seconds += t2 - t1 + proposal.grammar_seconds
+        tree = proposal.tree
+        self.cost_model.observe(len(tree), t2 - t1, tree=not tree.is_chain)
+        return acceptance
+
+    def propose(self, req: _Request, budget: int, features: torch.Tensor | None) -> _Proposal:
+        """The request's draft for this step (``budget`` 0: the root alone), pruned by its
+        grammar; drafting time goes to the stats and the cost model."""
+        root = req.tokens[-1]
+        drafter = req.arms or req.speculator
         t0 = time.perf_counter()
-        if budget > 0:
-            tree = self._draft(req, budget)
-        else:
-            tree = DraftTree.root_only(root)
+        tree = self._draft(req, budget, features) if budget > 0 else DraftTree.root_only(root)
         t1 = time.perf_counter()
         # a grammar prunes what it forbids (before verification) and masks every node's logits
         constrained = req.constraint.prepare(tree, extend=not req.plain) if req.constraint else None
-        proposed, tree = tree, (constrained.tree if constrained else tree)
-        tg = time.perf_counter() - t1
-        logits = self.target.verify(tree)  # [N, V]
+        catch_up = drafter.catch_up_seconds() if budget > 0 else 0.0
+        req.stats.draft_seconds += t1 - t0
+        self.cost_model.observe_draft(tree.num_drafted, max(0.0, t1 - t0 - catch_up))
+        return _Proposal(
+            budget,
+            tree,
+            constrained.tree if constrained else tree,
+            constrained,
+            t1 - t0,
+            time.perf_counter() - t1,
+            catch_up,
+        )
+
+    def accept(
+        self, req: _Request, proposal: _Proposal, logits: torch.Tensor
+    ) -> tuple[Acceptance, torch.Tensor]:
+        """The acceptance rule over the verified logits (grammar-masked when constrained)."""
         tm = time.perf_counter()
+        constrained = proposal.constrained
         scored = constrained.mask(logits) if constrained else logits  # [N, V]
-        acceptance = req.rule.accept(tree, scored, req.config.sampling, req.generator)
-        self.target.commit(acceptance.path)
+        acceptance = req.rule.accept(proposal.tree, scored, req.config.sampling, req.generator)
+        if constrained is not None:
+            req.stats.grammar_seconds += time.perf_counter() - tm
+        return acceptance, scored
+
+    def settle(
+        self,
+        req: _Request,
+        proposal: _Proposal,
+        acceptance: Acceptance,
+        logits: torch.Tensor,
+        scored: torch.Tensor,
+    ) -> None:
+        """After the target committed ``acceptance.path``: the grammar advances, log-probs are
+        read, the drafter and the budget learn, the stats record the step."""
         if req.constraint is not None:
+            tg = time.perf_counter()
             req.constraint.advance(acceptance.tokens)
-            req.stats.grammar_seconds += tg + time.perf_counter() - tm  # less accept and commit
+            req.stats.grammar_seconds += proposal.grammar_seconds + time.perf_counter() - tg
         if req.logprobs is not None:  # row of each committed token's parent on the path
             rows = scored[list(acceptance.path)]  # [len(tokens), V]
             sampling = req.config.sampling
             req.step_logprobs = token_logprobs(rows, acceptance.tokens, sampling, req.logprobs)
-        t2 = time.perf_counter()
+        constrained = proposal.constrained
         if constrained:
             feedback = constrained.feedback(acceptance, logits)
         else:
-            feedback = Feedback(proposed, acceptance, logits)
-        if self.arms is not None and not req.plain:
-            self.arms.observe(feedback)
-            req.stats.record_choice((self.arms.last_choice or "none") if budget > 0 else "none")
+            feedback = Feedback(proposal.proposed, acceptance, logits)
+        if req.arms is not None and not req.plain:
+            req.arms.observe(feedback)
+            choice = (req.arms.last_choice or "none") if proposal.budget > 0 else "none"
+            req.stats.record_choice(choice)
         elif not req.plain:
-            self.speculator.observe(feedback)
-        req.stats.draft_seconds += t1 - t0
-        req.stats.verify_seconds += t2 - t1
-        depth = max(tree.depths)
-        req.stats.record_step(depth, acceptance.num_accepted)
-        self.cost_model.observe(len(tree), t2 - t1, tree=not tree.is_chain)
-        catch_up = (self.arms or self.speculator).catch_up_seconds() if budget > 0 else 0.0
-        self.cost_model.observe_draft(proposed.num_drafted, max(0.0, t1 - t0 - catch_up))
+            req.speculator.observe(feedback)
+        req.stats.record_step(max(proposal.tree.depths), acceptance.num_accepted)
         # the budget sized the speculator's draft: it learns from that draft's fate alone
-        req.budget.observe(max(proposed.depths), feedback.acceptance.num_accepted)
-        return acceptance
+        req.budget.observe(max(proposal.proposed.depths), feedback.acceptance.num_accepted)
 
-    def _draft(self, req: _Request, budget: int) -> DraftTree:
+    def _draft(self, req: _Request, budget: int, features: torch.Tensor | None) -> DraftTree:
         """This step's draft from the controller over several speculators, or the one."""
         reads = any(s.needs_hidden_states for s in self.speculators)
-        features = self.target.features if reads else None
         context = DraftContext(
             req.tokens,
             req.prompt_len,
             req.config.sampling,
             req.generator,
-            features,
+            features if reads else None,
             req.costs,
             req.constraint,
         )
-        if self.arms is not None:
-            return self.arms.draft(context, budget)
-        return self.speculator.propose(context, budget)
+        if req.arms is not None:
+            return req.arms.draft(context, budget)
+        return req.speculator.propose(context, budget)
+
+    def generate_batch(
+        self, prompts: Sequence[Prompt], *, max_batch: int = 8, **kwargs: Any
+    ) -> list[GenerationResult]:
+        """Generate for many prompts at once with continuous batching (one target pass per step
+        verifies every sequence's draft; :mod:`specdec.batch`). Each result equals what
+        :meth:`generate` gives for its prompt alone (greedy: the same tokens; seeded sampling:
+        the same draws). ``seeds`` gives each prompt its own seed; other keyword arguments as
+        :meth:`generate`."""
+        from specdec.batch import generate_batch
+
+        return generate_batch(self, prompts, max_batch=max_batch, **kwargs)
 
     def generate(self, prompt: Prompt, **kwargs: Any) -> GenerationResult:
         """Run :meth:`stream` to the end; same keyword arguments."""
@@ -455,3 +533,45 @@ class SpeculativeEngine:
                 finish = event.finish_reason
         method = self.method if speculate else "none"
         return GenerationResult("".join(parts), token_ids, finish, method, stats, logprobs)
+
+
+class Emitter:
+    """Turns a request's accepted tokens into :class:`TokenEvent` s: end of sequence, stop
+    strings, the token limit, incremental text. One per request; the engine's loop and the
+    batch scheduler share it."""
+
+    def __init__(self, engine: SpeculativeEngine, req: _Request) -> None:
+        self.engine = engine
+        self.req = req
+        self.detok = IncrementalDetokenizer(engine.tokenizer, req.tokens)
+        self.stopper = StopMatcher(req.config.stop)
+
+    def emit(self, acceptance: Acceptance) -> TokenEvent:
+        """Commit ``acceptance.tokens`` to the request (up to its end) and describe them."""
+        req, config = self.req, self.req.config
+        eos = self.engine.eos_token_ids
+        emitted: list[int] = []
+        text, finish, stop_hit = "", None, False
+        for token in acceptance.tokens:
+            if token in eos and not config.ignore_eos:
+                finish = "stop"
+                break
+            emitted.append(token)
+            req.tokens.append(token)
+            delta, stop_hit = self.stopper.feed(self.detok.push(token))
+            text += delta
+            if stop_hit:
+                finish = "stop"
+                break
+            if req.remaining <= 0:
+                finish = "length"
+                break
+        if finish is not None and not stop_hit:
+            delta, stop_hit = self.stopper.feed(self.detok.flush())
+            text += delta
+            if not stop_hit:
+                text += self.stopper.flush()  # release text held back for a possible stop
+        req.stats.new_tokens = len(req.tokens) - req.prompt_len
+        req.stats.seconds = time.perf_counter() - req.started
+        lps = None if req.logprobs is None else tuple(req.step_logprobs[: len(emitted)])
+        return TokenEvent(tuple(emitted), text, finish, req.stats.snapshot(), lps)

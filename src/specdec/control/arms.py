@@ -29,6 +29,7 @@ fresh per request and prices drafts with the frozen calibrated prior, never with
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -146,6 +147,15 @@ class ArmController:
         self._choice, self._tree, self.last_choice = Choice(None), None, None
         self._unchosen = []
         self._backlog, self._backlog_end = {}, {}
+
+    def fork(self) -> ArmController:
+        """A controller for one more concurrent request (batched decoding): its own arm
+        instances (:meth:`Speculator.fork`) and per-request state; the greedy controller's
+        estimates and the bound costs stay shared, as they are across requests."""
+        clone = copy.copy(self)
+        clone.arms = {name: arm.fork() for name, arm in self.arms.items()}
+        clone.reset()
+        return clone
 
     def choice_counts(self) -> dict[str, int]:
         """Steps each arm drafted, over this speculator's life (greedy requests)."""

@@ -3,6 +3,7 @@ across its seam. Names and options live in :mod:`specdec.speculators.spec`."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -114,6 +115,16 @@ class Speculator:
 
     def watch(self, context: DraftContext) -> None:
         """A step's committed context when another speculator drafts (see ``watches``)."""
+
+    def fork(self) -> Speculator:
+        """An instance for one more concurrent request (batched decoding keeps one per
+        sequence): it shares what is learnt across requests (weights, a global suffix cache,
+        an online learner) and owns its per-request state. The default is a shallow copy that
+        :meth:`reset` then gives fresh per-request state, which is right for speculators whose
+        ``reset`` *replaces* (not mutates) that state; one that owns a KV cache overrides it."""
+        clone = copy.copy(self)
+        clone.reset()
+        return clone
 
     def catch_up_seconds(self) -> float:
         """Seconds of the last :meth:`propose` spent catching up on committed context (a draft

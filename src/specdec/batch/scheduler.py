@@ -1,0 +1,354 @@
+"""Continuous batching: sequences join and leave between steps; one pass verifies them all.
+
+A step (:meth:`BatchScheduler.step`) does, in order:
+
+1. drop the sequences cancelled since the last step (their rows are freed now);
+2. prefill: up to ``chunk`` prompt tokens of waiting sequences, oldest first (a long prompt
+   takes several steps, so it delays the running sequences by one chunk per step at most); a
+   sequence whose prompt is in joins the batch;
+3. decode: every running sequence drafts (greedy ones the length :class:`BatchBudget` chose for
+   the batch, sampled ones their own timing-free budget), one target pass verifies all the
+   trees, each sequence's rule accepts with its own generator, every row commits its path, and
+   each sequence emits its event; finished sequences leave.
+
+Each sequence's state is its own: tokens, sampling generator, grammar, speculator instance
+(:meth:`Speculator.fork`) and acceptance estimate. So a greedy sequence's output is its solo
+greedy output, and a seeded sampled one's does not depend on what it was batched with.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from specdec.batch.target import DEFAULT_CHUNK, BatchTarget, Prefill
+from specdec.config import GenerationConfig, SamplingConfig
+from specdec.control.batch import BatchBudget, BatchCosts, Candidate
+from specdec.control.budget import AdaptiveBudget
+from specdec.engine import Emitter, SpeculativeEngine, _Proposal, _Request
+from specdec.errors import ConfigError, InvalidRequestError
+from specdec.events import GenerationResult, TokenEvent
+from specdec.grammar import Grammar
+from specdec.logprobs import TokenLogprob
+from specdec.metrics import RequestStats
+from specdec.request import Prompt
+from specdec.target import HFTarget
+from specdec.tree import DraftTree
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class BatchSequence:
+    """One request inside the batch; :attr:`events` is filled as steps produce them when the
+    caller asks the scheduler to keep them (``generate_batch`` does)."""
+
+    req: _Request
+    emitter: Emitter
+    tracker: AdaptiveBudget  # acceptance estimate by draft position, for the batch budget
+    id: int = field(default_factory=lambda: next(_ids))
+    prefill: Prefill | None = None
+    cancelled: bool = False
+    finished: bool = False
+    finish_reason: str | None = None
+    tokens_out: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one step did, for metrics and tests."""
+
+    batch_size: int  # sequences verified in the pass (0: a prefill-only step)
+    width: int  # nodes per sequence in the padded pass
+    draft_length: int  # the batch budget's L for greedy sequences
+    prefill_tokens: int
+    seconds: float
+    verify_seconds: float
+
+
+class BatchScheduler:
+    """The step-level scheduler behind the server and :func:`generate_batch`; not thread-safe
+    (one thread owns it, as one owns an engine).
+
+    ``max_batch`` caps the running sequences; more wait (prefill starts when a row is free).
+    ``chunk`` is the prefill token budget per step."""
+
+    def __init__(
+        self, engine: SpeculativeEngine, *, max_batch: int = 8, chunk: int = DEFAULT_CHUNK
+    ) -> None:
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ConfigError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ConfigError(f"the prefill chunk must be an integer >= 1, got {chunk!r}")
+        if not isinstance(engine.target, HFTarget):
+            raise ConfigError(
+                "batched decoding needs a Hugging Face target (SpeculativeEngine.from_pretrained)"
+            )
+        self.engine = engine
+        self.max_batch = max_batch
+        self.chunk = chunk
+        self.target = BatchTarget(engine.target.loaded, chunk=chunk)
+        readers = [s for s in engine.speculators if s.needs_hidden_states]
+        if readers:
+            layers = engine.arms.feature_layers if engine.arms else engine.speculator.feature_layers
+            self.target.enable_features(layers)
+        self.costs = BatchCosts(engine.cost_model)
+        self.budget = BatchBudget(engine.num_draft_tokens, self.costs)
+        self.waiting: deque[BatchSequence] = deque()
+        self.running: list[BatchSequence] = []  # index = row in the batch cache
+        self.steps = 0
+        self.last: StepReport | None = None
+
+    # -- requests -------------------------------------------------------------------------------
+    def add(
+        self,
+        prompt_ids: Sequence[int],
+        config: GenerationConfig,
+        *,
+        speculate: bool = True,
+        grammar: Grammar | None = None,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
+    ) -> BatchSequence:
+        """Queue a request (validated now: a bad one raises before it waits)."""
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        req = self.engine.new_request(
+            prompt_ids,
+            config,
+            speculate=speculate,
+            grammar=grammar,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            fork=True,
+        )
+        engine = self.engine
+        tracker = AdaptiveBudget(engine.num_draft_tokens, engine.cost_model)
+        seq = BatchSequence(req, Emitter(engine, req), tracker)
+        seq.prefill = self.target.start_prefill(req.tokens)
+        self.waiting.append(seq)
+        return seq
+
+    def cancel(self, seq: BatchSequence) -> None:
+        """Stop ``seq``; its row is freed at the start of the next step."""
+        seq.cancelled = True
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def __len__(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # -- the step -------------------------------------------------------------------------------
+    def step(self) -> list[tuple[BatchSequence, TokenEvent]]:
+        """One scheduling step (see the module doc); returns the events it produced."""
+        t0 = time.perf_counter()
+        self._drop_cancelled()
+        prefilled = self._prefill()
+        events: list[tuple[BatchSequence, TokenEvent]] = []
+        batch, width, length, verify = len(self.running), 0, 0, 0.0
+        if self.running:
+            width, length, verify, events = self._decode()
+        self.steps += 1
+        self.last = StepReport(batch, width, length, prefilled, time.perf_counter() - t0, verify)
+        return events
+
+    def _drop_cancelled(self) -> None:
+        for seq in [s for s in self.waiting if s.cancelled]:
+            self.waiting.remove(seq)
+            seq.finished = True
+        rows = [r for r, s in enumerate(self.running) if s.cancelled]
+        self._release(rows)
+
+    def _release(self, rows: Iterable[int]) -> None:
+        """Free these rows (descending, so each move brings a row that stays)."""
+        for row in sorted(rows, reverse=True):
+            seq = self.running[row]
+            self.target.remove(row)
+            last = self.running.pop()
+            if row < len(self.running):
+                self.running[row] = last
+            seq.finished = True
+            self._end(seq)
+
+    def _end(self, seq: BatchSequence) -> None:
+        req = seq.req
+        if not req.plain:
+            for s in req.arms.speculators if req.arms else (req.speculator,):
+                s.end_request(list(req.tokens), req.prompt_len)
+
+    def _prefill(self) -> int:
+        """Feed up to ``chunk`` prompt tokens, oldest waiting sequence first; all of a prompt
+        when nothing is running (no one to delay)."""
+        fed = 0
+        while self.waiting and len(self.running) < self.max_batch:
+            seq = self.waiting[0]
+            prefill = seq.prefill
+            assert prefill is not None
+            left = self.chunk - fed
+            if self.running and left <= 0:
+                break
+            take = len(prefill.tokens) - prefill.done
+            if self.running:
+                take = min(take, left)
+            started = time.perf_counter()
+            row = self.target.prefill_chunk(prefill, max(1, take))
+            fed += take
+            seq.req.stats.prefill_seconds += time.perf_counter() - started
+            if row is None:
+                continue
+            assert row == len(self.running)
+            self.waiting.popleft()
+            seq.prefill = None
+            self.running.append(seq)
+        return fed
+
+    def _budgets(self) -> tuple[list[int], int]:
+        """Each running sequence's draft budget, and the batch's ``L``."""
+        engine = self.engine
+        budgets: list[int] = [0] * len(self.running)
+        sized: list[int] = []
+        candidates: list[Candidate] = []
+        floor = 1
+        for i, seq in enumerate(self.running):
+            req = seq.req
+            room = engine.context_length - len(req.tokens)
+            cap = max(0, min(engine.num_draft_tokens, req.remaining - 1, room - 1))
+            if req.plain:
+                continue
+            if not req.config.sampling.greedy or not engine.adaptive:
+                # its own timing-free budget (sampled), or always K (fixed)
+                budgets[i] = req.budget.choose(req.remaining, room)
+                floor = max(floor, 1 + min(budgets[i], engine.num_draft_tokens))
+                continue
+            sized.append(i)
+            candidates.append(Candidate(seq.tracker.alphas, cap))
+        length = 0
+        if candidates:
+            self.budget.draft_seconds_per_token = engine.cost_model.draft_seconds_per_token
+            length = self.budget.choose(candidates, len(self.running) - len(sized), floor)
+            for i, c in zip(sized, candidates, strict=True):
+                budgets[i] = min(length, c.cap)
+        return budgets, length
+
+    def _decode(self) -> tuple[int, int, float, list[tuple[BatchSequence, TokenEvent]]]:
+        engine = self.engine
+        budgets, length = self._budgets()
+        proposals: list[_Proposal] = []
+        for row, (seq, budget) in enumerate(zip(self.running, budgets, strict=True)):
+            proposals.append(engine.propose(seq.req, budget, self.target.features[row]))
+        trees: list[DraftTree] = [p.tree for p in proposals]
+        t1 = time.perf_counter()
+        logits = self.target.verify(trees)
+        accepted = []
+        for seq, proposal, row_logits in zip(self.running, proposals, logits, strict=True):
+            accepted.append(engine.accept(seq.req, proposal, row_logits))
+        self.target.commit([a.path for a, _ in accepted])
+        seconds = time.perf_counter() - t1
+        width = max(len(t) for t in trees)
+        self.costs.observe(len(trees) * width, seconds)
+        events: list[tuple[BatchSequence, TokenEvent]] = []
+        done: list[int] = []
+        for row, (seq, proposal, row_logits, (acceptance, scored)) in enumerate(
+            zip(self.running, proposals, logits, accepted, strict=True)
+        ):
+            req = seq.req
+            engine.settle(req, proposal, acceptance, row_logits, scored)
+            req.stats.verify_seconds += seconds + proposal.grammar_seconds
+            drafted = max(proposal.proposed.depths)
+            if drafted > 0:
+                seq.tracker.observe(drafted, acceptance.num_accepted)
+            event = seq.emitter.emit(acceptance)
+            seq.tokens_out.extend(event.token_ids)
+            events.append((seq, event))
+            if event.finish_reason is not None:
+                seq.finish_reason = event.finish_reason
+                done.append(row)
+        self._release(done)
+        return width, length, seconds, events
+
+    # -- whole batches --------------------------------------------------------------------------
+    def run(self) -> Iterable[tuple[BatchSequence, TokenEvent]]:
+        """Step until every queued sequence is done, yielding events as they come."""
+        while not self.idle:
+            yield from self.step()
+
+
+def generate_batch(
+    engine: SpeculativeEngine,
+    prompts: Sequence[Prompt],
+    *,
+    max_batch: int = 8,
+    chat: bool | None = None,
+    speculate: bool = True,
+    seeds: Sequence[int | None] | None = None,
+    grammar: Grammar | None = None,
+    logprobs: bool = False,
+    top_logprobs: int = 0,
+    **kwargs: Any,
+) -> list[GenerationResult]:
+    """Generate for every prompt with continuous batching; results in prompt order.
+
+    Takes :meth:`SpeculativeEngine.generate`'s keyword arguments (``max_new_tokens``,
+    ``temperature``, ``top_p``, ``top_k``, ``stop``, ``ignore_eos``); ``seeds`` gives each
+    prompt its own seed (a single ``seed`` applies to all)."""
+    sampling_keys = {"temperature", "top_p", "top_k"}
+    config_keys = {"max_new_tokens", "stop", "ignore_eos"}
+    unknown = set(kwargs) - sampling_keys - config_keys - {"seed"}
+    if unknown:
+        raise InvalidRequestError(f"generate_batch got unknown arguments: {sorted(unknown)}")
+    if seeds is not None and len(seeds) != len(prompts):
+        raise InvalidRequestError(f"{len(seeds)} seeds for {len(prompts)} prompts", param="seeds")
+    scheduler = BatchScheduler(engine, max_batch=max_batch)
+    stop = kwargs.get("stop", ())
+    seqs: list[BatchSequence] = []
+    for i, prompt in enumerate(prompts):
+        seed = seeds[i] if seeds is not None else kwargs.get("seed")
+        sampling = SamplingConfig(
+            temperature=kwargs.get("temperature", 0.0),
+            top_p=kwargs.get("top_p", 1.0),
+            top_k=kwargs.get("top_k", 0),
+            seed=seed,
+        )
+        config = GenerationConfig(
+            max_new_tokens=kwargs.get("max_new_tokens", 128),
+            stop=tuple([stop] if isinstance(stop, str) else stop),
+            ignore_eos=kwargs.get("ignore_eos", False),
+            sampling=sampling,
+        )
+        ids = engine.encode(prompt, chat)
+        seqs.append(
+            scheduler.add(
+                ids,
+                config,
+                speculate=speculate,
+                grammar=grammar,
+                logprobs=logprobs,
+                top_logprobs=top_logprobs,
+            )
+        )
+    texts: dict[int, list[str]] = {s.id: [] for s in seqs}
+    lps: dict[int, list[TokenLogprob]] = {s.id: [] for s in seqs}
+    stats: dict[int, RequestStats] = {}
+    for seq, event in scheduler.run():
+        texts[seq.id].append(event.text)
+        if event.logprobs:
+            lps[seq.id].extend(event.logprobs)
+        stats[seq.id] = event.stats
+    method = engine.method if speculate else "none"
+    return [
+        GenerationResult(
+            "".join(texts[s.id]),
+            list(s.tokens_out),
+            s.finish_reason or "length",
+            method,
+            stats.get(s.id, RequestStats()),
+            lps[s.id] if logprobs else None,
+        )
+        for s in seqs
+    ]

@@ -1,0 +1,282 @@
+"""Batched verification and continuous batching (specdec.batch) on tiny random-weight models.
+
+Exactness: float64 throughout, where a batched pass and a single-sequence pass agree to ~1e-15,
+so no argmax near-tie can flip and greedy outputs are compared for exact equality of token ids.
+The KV-cache invariant is checked the same way: each row's keys and values after any mix of
+steps equal a fresh single-sequence prefill of its committed tokens (within 1e-9).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specdec import SpeculativeEngine
+from specdec.batch import BatchScheduler, BatchTarget
+from specdec.config import GenerationConfig, SamplingConfig
+from specdec.errors import ConfigError, InvalidRequestError
+from specdec.grammar import Grammar
+from specdec.target import ModelRunner, load_model
+from specdec.tree import DraftTree
+from tests.test_losslessness import ResampleFromPRule
+
+PROMPTS = [
+    "ROMEO: But soft, what light",
+    "First Citizen:\nBefore we proceed any further, hear me speak. Speak, speak. Before we",
+    "the the the the the the the",
+    "KING RICHARD III: Now is the winter of our discontent made glorious summer by",
+    "To be, or not to be, that is the question: whether 'tis nobler in the mind",
+    "a",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny64(tiny_model_dir: Path):
+    return load_model(tiny_model_dir, dtype="float64")
+
+
+def _random_tree(rng: random.Random, root: int, vocab: int) -> DraftTree:
+    size = rng.choice([1, 1, 2, 3, 5, 7])
+    parents = [-1] + [rng.randrange(i) for i in range(1, size)]
+    if rng.random() < 0.5:  # a chain
+        parents = [-1] + list(range(size - 1))
+    tokens = [root] + [rng.randrange(vocab) for _ in range(size - 1)]
+    return DraftTree(tokens=tuple(tokens), parents=tuple(parents))
+
+
+def _random_path(rng: random.Random, tree: DraftTree) -> list[int]:
+    """A root-to-node path of the tree (what an acceptance rule may keep)."""
+    node = rng.randrange(len(tree))
+    return tree.path_to(node)
+
+
+def test_kv_cache_invariant_after_any_mix_of_steps(tiny64):
+    """Rows join (prefilled in chunks), verify random chains and trees, commit random paths,
+    leave; every row's cache equals a fresh prefill of its committed tokens after each step,
+    and every tree's logits equal those of its nodes' own chains decoded solo."""
+    rng = random.Random(0)
+    vocab = tiny64.model.config.vocab_size
+    target = BatchTarget(tiny64, chunk=5)
+    committed: list[list[int]] = []  # per row: the tokens its cache must hold (roots excluded)
+    roots: list[int] = []
+    for step in range(40):
+        if len(committed) < 5 and rng.random() < 0.4:
+            prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 14))]
+            prefill = target.start_prefill(prompt)
+            row = None
+            while row is None:
+                row = target.prefill_chunk(prefill)
+            assert row == len(committed)
+            committed.append(prompt[:-1])
+            roots.append(prompt[-1])
+        if committed and rng.random() < 0.15:
+            row = rng.randrange(len(committed))
+            target.remove(row)
+            last_c, last_r = committed.pop(), roots.pop()
+            if row < len(committed):
+                committed[row], roots[row] = last_c, last_r
+        if not committed:
+            continue
+        trees = [_random_tree(rng, root, vocab) for root in roots]
+        logits = target.verify(trees)
+        for r, (tree, row_logits) in enumerate(zip(trees, logits, strict=True)):
+            node = len(tree) - 1
+            path = tree.path_to(node)
+            solo = ModelRunner(tiny64.model)
+            context = committed[r] + [tree.tokens[i] for i in path]
+            expect = solo.forward(context)[-1]
+            assert torch.allclose(row_logits[node], expect, atol=1e-9), (step, r)
+        paths = [_random_path(rng, t) for t in trees]
+        target.commit(paths)
+        for r, (tree, path) in enumerate(zip(trees, paths, strict=True)):
+            kept = [tree.tokens[i] for i in path]
+            committed[r] = committed[r] + kept
+            roots[r] = rng.randrange(vocab)  # the next root (the rule's bonus token)
+        for r, tokens in enumerate(committed):
+            entries = target.cache.row_entries(r)
+            if not tokens:
+                continue
+            fresh = ModelRunner(tiny64.model)
+            fresh.forward(tokens)
+            for layer, mine in zip(fresh.cache.hf.layers, entries, strict=True):
+                assert mine is not None
+                assert torch.allclose(mine[0], layer.keys[0], atol=1e-9), (step, r)
+                assert torch.allclose(mine[1], layer.values[0], atol=1e-9), (step, r)
+
+
+@pytest.mark.parametrize("spec", ["none", "prompt-lookup", "suffix", "lookahead", "auto"])
+@pytest.mark.parametrize("max_batch", [2, 8])
+def test_greedy_batch_equals_solo(tiny64, spec, max_batch):
+    """Each sequence's greedy output equals its solo greedy output, whoever it is batched
+    with (max_batch 2 makes sequences join and leave mid-run)."""
+    engine = SpeculativeEngine.from_pretrained(tiny64, speculator=spec, num_draft_tokens=4)
+    solo = [engine.generate(p, max_new_tokens=24, ignore_eos=True).token_ids for p in PROMPTS]
+    batched = engine.generate_batch(
+        PROMPTS, max_new_tokens=24, ignore_eos=True, max_batch=max_batch
+    )
+    assert [r.token_ids for r in batched] == solo
+    if spec != "none":
+        assert sum(r.stats.drafted_tokens for r in batched) > 0
+
+
+def test_greedy_batch_with_draft_model_and_fixed_k(tiny64, tiny_draft_dir):
+    engine = SpeculativeEngine.from_pretrained(
+        tiny64, speculator=f"draft:{tiny_draft_dir}", num_draft_tokens=3, adaptive=False
+    )
+    solo = [engine.generate(p, max_new_tokens=20, ignore_eos=True).token_ids for p in PROMPTS]
+    batched = engine.generate_batch(PROMPTS, max_new_tokens=20, ignore_eos=True, max_batch=3)
+    assert [r.token_ids for r in batched] == solo
+    assert all(r.stats.drafted_tokens > 0 for r in batched if len(r.token_ids) > 1)
+
+
+def test_sliding_window_model_in_a_batch(tmp_path, tiny_tokenizer_dir):
+    """Mistral with a window shorter than the sequences: windowed batch masks."""
+    from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    torch.manual_seed(3)
+    cfg = MistralConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        sliding_window=8, initializer_range=0.25, tie_word_embeddings=True,
+    )  # fmt: skip
+    MistralForCausalLM(cfg).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    loaded = load_model(tmp_path, dtype="float64")
+    engine = SpeculativeEngine.from_pretrained(loaded, speculator="prompt-lookup")
+    solo = [engine.generate(p, max_new_tokens=20, ignore_eos=True).token_ids for p in PROMPTS]
+    batched = engine.generate_batch(PROMPTS, max_new_tokens=20, ignore_eos=True, max_batch=4)
+    assert [r.token_ids for r in batched] == solo
+
+
+def test_seeded_sampled_output_does_not_depend_on_batch_mates(tiny64):
+    engine = SpeculativeEngine.from_pretrained(tiny64, speculator="prompt-lookup")
+    kw = {"max_new_tokens": 20, "temperature": 1.0, "top_k": 20, "ignore_eos": True}
+    prompt = PROMPTS[2]
+    solo = engine.generate(prompt, seed=7, **kw).token_ids
+    alone = engine.generate_batch([prompt], seeds=[7], **kw)[0].token_ids
+    mixed = engine.generate_batch(PROMPTS + [prompt], seeds=[1, 2, 3, 4, 5, 6, 7], **kw)
+    greedy_mates = engine.generate_batch(
+        [prompt] + PROMPTS, seeds=[7] + [None] * len(PROMPTS), **kw
+    )
+    assert alone == solo
+    assert mixed[-1].token_ids == solo
+    assert greedy_mates[0].token_ids == solo
+    assert len({tuple(r.token_ids) for r in mixed[:-1]}) > 1  # the mates did sample
+
+
+def _first_two_tokens(engine: SpeculativeEngine, prompt: str, n: int, rule=None) -> Counter:
+    if rule is not None:
+        engine.acceptance_rule = rule
+    kw = {"max_new_tokens": 2, "temperature": 1.0, "top_k": 4, "ignore_eos": True}
+    results = engine.generate_batch([prompt] * n, seeds=list(range(n)), max_batch=16, **kw)
+    return Counter(tuple(r.token_ids) for r in results)
+
+
+def _exact_two_token_law(loaded, prompt_ids: list[int]) -> dict[tuple[int, int], float]:
+    runner = ModelRunner(loaded.model)
+
+    def top4(ids: list[int]) -> dict[int, float]:
+        runner.reset()
+        logits = runner.forward(ids)[-1]
+        values, index = logits.topk(4)
+        probs = torch.softmax(values, -1)
+        return {int(i): float(p) for i, p in zip(index, probs, strict=True)}
+
+    law: dict[tuple[int, int], float] = {}
+    for a, pa in top4(prompt_ids).items():
+        for b, pb in top4(prompt_ids + [a]).items():
+            law[(a, b)] = pa * pb
+    return law
+
+
+@pytest.mark.slow
+def test_sampled_batch_follows_the_target_and_the_test_has_power(tiny64):
+    """Chi-square over the first two sampled tokens (top-k 4: 16 outcomes) through the batched
+    path with a draft model (the target's first two layers: drafts carry q and overlap p, so
+    both acceptance and rejection happen); the same test rejects a subtly wrong rule (on
+    rejection it resamples from p instead of the residual), so it can fail."""
+    engine = SpeculativeEngine.from_pretrained(
+        tiny64, speculator="draft:model=layers:2", num_draft_tokens=2, adaptive=False
+    )
+    prompt = PROMPTS[0]
+    law = _exact_two_token_law(tiny64, engine.encode(prompt))
+    n = 3000
+    counts = _first_two_tokens(engine, prompt, n)
+    keys = sorted(law)
+    assert set(counts) <= set(keys)
+    p = chisquare([counts[k] for k in keys], [law[k] * n for k in keys]).pvalue
+    assert p > 1e-3, p
+    lossy = _first_two_tokens(engine, prompt, n, ResampleFromPRule())
+    p_lossy = chisquare([lossy[k] for k in keys], [law[k] * n for k in keys]).pvalue
+    assert p_lossy < 1e-6, p_lossy
+
+
+def test_grammar_and_logprobs_in_a_batch(tiny64):
+    engine = SpeculativeEngine.from_pretrained(tiny64, speculator="prompt-lookup")
+    grammar = Grammar.regex(r"(the |a ){3,8}end")
+    kw = {"max_new_tokens": 30, "logprobs": True, "top_logprobs": 2}
+    solo = [engine.generate(p, grammar=grammar, **kw) for p in PROMPTS[:3]]
+    batched = engine.generate_batch(PROMPTS[:3], grammar=grammar, **kw)
+    for s, b in zip(solo, batched, strict=True):
+        assert b.token_ids == s.token_ids
+        assert b.text == s.text
+        assert b.logprobs is not None and s.logprobs is not None
+        for x, y in zip(b.logprobs, s.logprobs, strict=True):
+            assert abs(x.logprob - y.logprob) < 1e-9
+
+
+def test_cancel_frees_the_row_and_the_others_go_on(tiny64):
+    engine = SpeculativeEngine.from_pretrained(tiny64, speculator="prompt-lookup")
+    solo = [engine.generate(p, max_new_tokens=16, ignore_eos=True).token_ids for p in PROMPTS]
+    scheduler = BatchScheduler(engine, max_batch=4)
+    config = GenerationConfig(max_new_tokens=16, ignore_eos=True, sampling=SamplingConfig())
+    seqs = [scheduler.add(engine.encode(p), config) for p in PROMPTS]
+    out: dict[int, list[int]] = {s.id: [] for s in seqs}
+    steps = 0
+    while not scheduler.idle:
+        for seq, event in scheduler.step():
+            out[seq.id].extend(event.token_ids)
+        steps += 1
+        if steps == 3:
+            scheduler.cancel(seqs[1])
+        assert len(scheduler.running) <= 4
+    assert seqs[1].finished and seqs[1].finish_reason is None
+    for i, seq in enumerate(seqs):
+        if i != 1:
+            assert out[seq.id] == solo[i]
+    assert len(scheduler.target) == 0  # every row freed
+
+
+def test_prefill_is_chunked_while_others_run(tiny64):
+    engine = SpeculativeEngine.from_pretrained(tiny64)
+    scheduler = BatchScheduler(engine, max_batch=4, chunk=8)
+    config = GenerationConfig(max_new_tokens=100, ignore_eos=True, sampling=SamplingConfig())
+    scheduler.add(engine.encode(PROMPTS[0]), config)
+    scheduler.step()  # nobody running: the whole prompt at once
+    long_ids = engine.encode(" ".join(PROMPTS) * 2)[:200]
+    scheduler.add(long_ids, config)
+    fed = []
+    while len(scheduler.running) < 2:
+        scheduler.step()
+        assert scheduler.last is not None
+        fed.append(scheduler.last.prefill_tokens)
+        assert scheduler.last.batch_size >= 1  # the running sequence kept decoding
+    assert max(fed) <= 8 and len(fed) >= len(long_ids) // 8
+
+
+def test_bad_batch_arguments_are_refused(tiny64):
+    engine = SpeculativeEngine.from_pretrained(tiny64)
+    with pytest.raises(ConfigError, match="max_batch"):
+        BatchScheduler(engine, max_batch=0)
+    with pytest.raises(InvalidRequestError, match="seeds"):
+        engine.generate_batch(PROMPTS[:2], seeds=[1])
+    with pytest.raises(InvalidRequestError, match="unknown"):
+        engine.generate_batch(PROMPTS[:2], temprature=0.5)
+    with pytest.raises(InvalidRequestError, match="max_new_tokens"):
+        engine.generate_batch(PROMPTS[:1], max_new_tokens=10_000)
