@@ -210,6 +210,11 @@ class SpeculativeEngine:
         return cls(HFTarget(loaded), loaded.tokenizer, build_speculator(loaded, options), **common)
 
     @property
+    def batchable(self) -> bool:
+        """Whether :mod:`specdec.batch` can drive this engine's target (a Hugging Face one)."""
+        return isinstance(self.target, HFTarget)
+
+    @property
     def method(self) -> str:
         return "auto" if self.arms is not None else self.speculator.name
 

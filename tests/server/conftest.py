@@ -199,10 +199,15 @@ def _tiny_fleet(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
                 [*model, "--speculator", "prompt-lookup", "--max-queue", "64"], logs / "tiny.log"
             )
         )
-        # No waiting room at all: one request decodes, others are refused while it runs.
+        # No waiting room at all and one slot: one request decodes, others are refused while
+        # it runs (the batching server of test_batching has its own limits).
         started.append(
             Server(
-                [*model, "--speculator", "none", "--max-queue", "0", "--request-timeout", "60"],
+                [
+                    *model,
+                    *("--speculator", "none", "--max-queue", "0", "--max-batch", "1"),
+                    *("--request-timeout", "60"),
+                ],
                 logs / "strict.log",
             )
         )

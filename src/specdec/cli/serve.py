@@ -55,6 +55,13 @@ def serve(
         str | None,
         typer.Option(help="Model id clients send (default: the model's directory/file name)."),
     ] = None,
+    max_batch: Annotated[
+        int,
+        typer.Option(
+            help="Requests decoded together (continuous batching, one target pass per step); "
+            "1 decodes one at a time."
+        ),
+    ] = 8,
     max_queue: Annotated[
         int, typer.Option(help="Requests allowed to wait; beyond it the server answers 429.")
     ] = 64,
@@ -74,6 +81,7 @@ def serve(
             model_name=served_model_name or _served_name(model, gguf),
             speculator=speculator,
             max_queue=max_queue,
+            max_batch=max_batch,
             request_timeout=request_timeout,
         )
         engine = load_engine(
@@ -94,5 +102,5 @@ def serve(
         f"http://{host}:{port}/v1",
         highlight=False,
     )
-    # One process, one engine: requests are queued, never spread over worker processes.
+    # One process, one engine: requests are batched on one thread, never spread over processes.
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

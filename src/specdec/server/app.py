@@ -35,7 +35,9 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from specdec.batch import StepReport
 from specdec.config import GenerationConfig, SamplingConfig
+from specdec.engine import SpeculativeEngine
 from specdec.errors import InvalidRequestError
 from specdec.events import TokenEvent
 from specdec.grammar import Grammar
@@ -43,6 +45,7 @@ from specdec.logprobs import TokenLogprob
 from specdec.metrics import RequestStats
 from specdec.request import Prompt, check_fits, encode_prompt
 from specdec.server import errors
+from specdec.server.batch_worker import BatchWorker
 from specdec.server.config import ServerConfig
 from specdec.server.errors import APIError
 from specdec.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -134,8 +137,18 @@ class _Service:
         self.tokenizer = copy.deepcopy(engine.tokenizer)
         self.vocab_size = len(self.tokenizer)
         self.started = int(time.time())
-        self.worker = EngineWorker(engine.stream_ids, max_queue=config.max_queue)
         self.metrics = ServerMetrics(self.method)
+        self.worker: EngineWorker | BatchWorker
+        if config.max_batch > 1 and isinstance(engine, SpeculativeEngine) and engine.batchable:
+            worker = BatchWorker(engine, max_batch=config.max_batch, max_queue=config.max_queue)
+            worker.on_step = self._observe_step
+            self.worker = worker
+        else:  # one request at a time (max_batch 1, or a target the batch cannot drive)
+            self.worker = EngineWorker(engine.stream_ids, max_queue=config.max_queue)
+
+    def _observe_step(self, report: StepReport) -> None:
+        self.metrics.batch_size.observe(report.batch_size)
+        self.metrics.draft_length.observe(report.draft_length)
 
     # -- stage 1: prepare -----------------------------------------------------------------------
     def prepare(self, body: CompletionRequest | ChatCompletionRequest) -> _Prepared:
@@ -790,6 +803,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
             "queue_depth": len(service.worker.queue),
             "queue_capacity": config.max_queue,
             "busy": service.worker.busy,
+            "max_batch": service.worker.max_batch if isinstance(service.worker, BatchWorker) else 1,
             "requests_done": service.worker.jobs_done,
         }
         return JSONResponse(body, status_code=200 if alive else 503)

@@ -11,7 +11,9 @@ from specdec.errors import ConfigError
 class ServerConfig:
     """How the server admits, bounds and names requests.
 
-    ``max_queue`` bounds the requests *waiting* behind the one being decoded; when it is full a
+    ``max_batch`` is how many requests decode together (continuous batching: one target pass
+    per step verifies them all; 1 decodes one request at a time). ``max_queue`` bounds the
+    requests *waiting* for a batch slot; when it is full a
     new request is refused at once with 429 and a Retry-After estimate, instead of piling up
     memory and latency. ``request_timeout`` (seconds) covers queueing plus decoding, so a client
     never waits forever behind a long request. ``default_max_tokens`` caps a chat request that
@@ -23,6 +25,7 @@ class ServerConfig:
     model_name: str
     speculator: str | None = None
     max_queue: int = 64
+    max_batch: int = 8
     request_timeout: float = 300.0
     default_completion_tokens: int = 16  # OpenAI's default for /v1/completions
     default_max_tokens: int = 512
@@ -31,6 +34,10 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not self.model_name:
             raise ConfigError("the served model name must not be empty")
+        if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int):
+            raise ConfigError(f"max_batch must be an integer, got {self.max_batch!r}")
+        if self.max_batch < 1:
+            raise ConfigError(f"max_batch must be >= 1, got {self.max_batch}")
         if self.max_queue < 0:
             raise ConfigError(f"max_queue must be >= 0, got {self.max_queue}")
         if not self.request_timeout > 0:

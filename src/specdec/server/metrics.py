@@ -41,6 +41,8 @@ _LATENCY_BUCKETS = (
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TAU_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0)
 
+_BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
@@ -124,6 +126,18 @@ class ServerMetrics:
             "specdec_tau",
             "τ since start: committed tokens per target forward pass.",
             ["method"],
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "specdec_batch_size",
+            "Sequences verified together per target pass (continuous batching).",
+            buckets=_BATCH_BUCKETS,
+            registry=r,
+        )
+        self.draft_length = Histogram(
+            "specdec_batch_draft_length",
+            "Draft length the batch budget chose per step for greedy sequences (0: none).",
+            buckets=(0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16),
             registry=r,
         )
         self._totals = [0, 0, 0, 0]  # drafted, accepted, forwards, committed

@@ -143,6 +143,10 @@ class JobQueue:
         with self._cond:
             return len(self._items)
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def put(self, job: Job) -> int:
         """Append ``job``; return how many jobs wait ahead of it."""
         with self._cond:
