@@ -212,8 +212,8 @@ BAD: list[tuple[str, str, Any, int, str | None]] = [
     ),
     ("empty-prompt", "/v1/completions", {**OK, "prompt": "  "}, 400, "prompt"),
     ("token-out-of-vocab", "/v1/completions", {**OK, "prompt": [1, 99999]}, 400, "prompt"),
-    ("n-2", "/v1/completions", {**OK, "n": 2}, 400, "n"),
-    ("n-3-chat-stream", "/v1/chat/completions", {**OK_CHAT, "n": 3, "stream": True}, 400, "n"),
+    ("n-0", "/v1/completions", {**OK, "n": 0}, 400, "n"),
+    ("n-17-chat-stream", "/v1/chat/completions", {**OK_CHAT, "n": 17, "stream": True}, 400, "n"),
     (
         "bad-temperature-stream",
         "/v1/chat/completions",

@@ -23,7 +23,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 
 import jinja2
@@ -86,6 +86,7 @@ CHAT = "/v1/chat/completions"
 # How often a request that is waiting (queued, or decoding without streaming) checks whether
 # its client has gone away; a streaming response learns it from the server at once.
 _DISCONNECT_POLL_S = 0.25
+MAX_CHOICES = 16  # the most choices (n) one request may ask for
 _CLIENT_CLOSED = 499  # nginx's "client closed request"; nobody reads it, the logs do
 
 
@@ -123,6 +124,8 @@ class _Prepared:
     # the engine's grammar / logprobs / top_logprobs keyword arguments, when asked for
     options: dict[str, Any]
     logprobs: bool = False
+    n: int = 1  # choices asked for; each is one sequence of the batch, with its own seed
+    index: int = 0  # this sequence's choice index
 
 
 class _Service:
@@ -161,9 +164,12 @@ class _Service:
                 param="model",
                 code="model_not_found",
             )
-        if body.n != 1:
+        if not 1 <= body.n <= MAX_CHOICES:
             raise APIError(
-                400, f"only n=1 is supported, got n={body.n}", param="n", code="invalid_value"
+                400,
+                f"n must be between 1 and {MAX_CHOICES}, got n={body.n}",
+                param="n",
+                code="invalid_value",
             )
         bad = body.unsupported_field()
         if bad is not None:
@@ -214,6 +220,7 @@ class _Service:
             created=int(time.time()),
             options=options,
             logprobs=bool(options.get("logprobs")),
+            n=body.n,
         )
 
     def _structured_options(
@@ -303,8 +310,22 @@ class _Service:
         self.metrics.queue_depth.set(len(self.worker.queue))
         return _Run(self, prepared, job)
 
+    def admit_all(self, prepared: _Prepared) -> list[_Run]:
+        """Admit the request's ``n`` sequences together, or none of them."""
+        runs: list[_Run] = []
+        try:
+            for p in _choices(prepared):
+                runs.append(self.admit(p))
+        except APIError:
+            for run in runs:
+                run.close("rejected")
+            raise
+        return runs
+
     # -- stage 4: respond -----------------------------------------------------------------------
     async def respond(self, prepared: _Prepared, request: Request, render: _Renderer) -> Response:
+        if prepared.n > 1:
+            return await self.respond_many(prepared, request, render)
         run = self.admit(prepared)
         try:
             await _closing_on_failure(run, run.wait_started(request))
@@ -315,6 +336,93 @@ class _Service:
             return Response(status_code=_CLIENT_CLOSED)
         run.close("ok")
         return JSONResponse(render.whole(prepared, text, final, self.method))
+
+    async def respond_many(
+        self, prepared: _Prepared, request: Request, render: _Renderer
+    ) -> Response:
+        """``n > 1``: the sequences decode as members of the batch; one body (or one stream)
+        carries every choice with its index. Usage counts the prompt once and every choice's
+        tokens; the ``speculation`` field is choice 0's."""
+        runs = self.admit_all(prepared)
+
+        def close_all(outcome: str) -> None:
+            for run in runs:
+                run.close(outcome)
+
+        try:
+            for run in runs:
+                await _closing_on_failure(run, run.wait_started(request))
+            if prepared.stream:
+                return _StreamResponse(
+                    _merged_sse(runs, render), on_close=lambda: close_all("cancelled")
+                )
+            results = await asyncio.gather(*(run.collect(request) for run in runs))
+        except _ClientGone:
+            close_all("cancelled")
+            return Response(status_code=_CLIENT_CLOSED)
+        except BaseException:
+            close_all("error")
+            raise
+        close_all("ok")
+        bodies = [
+            render.whole(run.prepared, text, final, self.method)
+            for run, (text, final) in zip(runs, results, strict=True)
+        ]
+        body = bodies[0]
+        body["choices"] = [c for b in bodies for c in b["choices"]]
+        body["usage"] = Usage.of(_summed_stats([final.stats for _, final in results])).model_dump()
+        return JSONResponse(body)
+
+
+def _choices(prepared: _Prepared) -> list[_Prepared]:
+    """One prepared sequence per choice: index i, seed + i when seeded (independent draws)."""
+    if prepared.n == 1:
+        return [prepared]
+    out = []
+    sampling = prepared.config.sampling
+    for i in range(prepared.n):
+        seed = None if sampling.seed is None else (sampling.seed + i) % 2**64
+        config = replace(prepared.config, sampling=replace(sampling, seed=seed))
+        out.append(replace(prepared, index=i, config=config))
+    return out
+
+
+def _summed_stats(stats: list[RequestStats]) -> RequestStats:
+    """Choice 0's stats with every choice's tokens: what the usage of ``n`` choices counts
+    (the prompt once, all completions)."""
+    return replace(stats[0], new_tokens=sum(s.new_tokens for s in stats))
+
+
+async def _merged_sse(runs: list[_Run], render: _Renderer) -> AsyncIterator[bytes]:
+    """The streams of ``n`` choices interleaved as their chunks come, then one usage chunk (if
+    asked for) and one ``data: [DONE]``."""
+    queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+
+    async def pump(run: _Run) -> None:
+        try:
+            async for frame in run.sse(render, final_frames=False):
+                await queue.put(frame)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.ensure_future(pump(run)) for run in runs]
+    try:
+        left = len(runs)
+        while left:
+            frame = await queue.get()
+            if frame is None:
+                left -= 1
+                continue
+            yield frame
+        p = runs[0].prepared
+        stats = [run.final_stats for run in runs]
+        done = [x for x in stats if x is not None]
+        if p.include_usage and len(done) == len(runs):
+            yield _sse(render.usage(p, _Final("stop", _summed_stats(done))))
+        yield format_sse_event(data_str="[DONE]")
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 class _Renderer(Protocol):
@@ -427,7 +535,12 @@ class _Run:
                     return "".join(parts), final
                 raise self._failure(message)
 
-    async def sse(self, render: _Renderer) -> AsyncIterator[bytes]:
+    @property
+    def final_stats(self) -> RequestStats | None:
+        """The stats of the last step, once the request finished."""
+        return self._stats if self._ended else None
+
+    async def sse(self, render: _Renderer, *, final_frames: bool = True) -> AsyncIterator[bytes]:
         """Server-sent events: chunks as the engine commits tokens, then ``data: [DONE]``.
 
         An error after the stream has begun cannot change the status code any more, so it is
@@ -449,14 +562,15 @@ class _Run:
                     yield _sse(render.closing(p, final, self.service.method))
             elif isinstance(message, Ended):
                 if message.outcome is Outcome.DONE and final is not None:
-                    if p.include_usage:
+                    if p.include_usage and final_frames:
                         yield _sse(render.usage(p, final))
                     self.close("ok")
                 else:
                     failure = self._failure(message)
                     self.close(_outcome_label(failure))
                     yield format_sse_event(data_str=json.dumps(failure.body()))
-                yield format_sse_event(data_str="[DONE]")
+                if final_frames:
+                    yield format_sse_event(data_str="[DONE]")
                 return
 
     def close(self, outcome: str) -> None:
@@ -653,7 +767,7 @@ def _speculation(method: str, final: _Final) -> Speculation:
 class _CompletionRenderer:
     def __init__(self, strings: _TokenStrings) -> None:
         self.strings = strings
-        self._offsets: dict[str, int] = {}  # streamed requests: text offset so far, by id
+        self._offsets: dict[str, int] = {}  # streamed choices: text offset so far, by id/index
 
     def whole(self, p: _Prepared, text: str, final: _Final, method: str) -> dict[str, Any]:
         logprobs = _completion_logprobs(self.strings, final.logprobs) if p.logprobs else None
@@ -662,7 +776,9 @@ class _CompletionRenderer:
             created=p.created,
             model=p.model,
             choices=[
-                CompletionChoice(text=text, finish_reason=final.finish_reason, logprobs=logprobs)
+                CompletionChoice(
+                    index=p.index, text=text, finish_reason=final.finish_reason, logprobs=logprobs
+                )
             ],
             usage=Usage.of(final.stats),
             speculation=_speculation(method, final),
@@ -676,25 +792,27 @@ class _CompletionRenderer:
     ) -> BaseModel:
         rendered = None
         if p.logprobs:
-            offset = self._offsets.get(p.id, 0)
+            offset = self._offsets.get(f"{p.id}/{p.index}", 0)
             rendered = _completion_logprobs(self.strings, logprobs, offset)
-            self._offsets[p.id] = offset + sum(
+            self._offsets[f"{p.id}/{p.index}"] = offset + sum(
                 len(t) for t in (rendered.tokens if rendered else [])
             )
         return CompletionResponse(
             id=p.id,
             created=p.created,
             model=p.model,
-            choices=[CompletionChoice(text=text, finish_reason=None, logprobs=rendered)],
+            choices=[
+                CompletionChoice(index=p.index, text=text, finish_reason=None, logprobs=rendered)
+            ],
         )
 
     def closing(self, p: _Prepared, final: _Final, method: str) -> BaseModel:
-        self._offsets.pop(p.id, None)
+        self._offsets.pop(f"{p.id}/{p.index}", None)
         return CompletionResponse(
             id=p.id,
             created=p.created,
             model=p.model,
-            choices=[CompletionChoice(text="", finish_reason=final.finish_reason)],
+            choices=[CompletionChoice(index=p.index, text="", finish_reason=final.finish_reason)],
             speculation=_speculation(method, final),
         )
 
@@ -720,6 +838,7 @@ class _ChatRenderer:
             model=p.model,
             choices=[
                 ChatChoice(
+                    index=p.index,
                     message=AssistantMessage(content=text),
                     finish_reason=final.finish_reason,
                     logprobs=logprobs,
@@ -743,7 +862,9 @@ class _ChatRenderer:
             id=p.id,
             created=p.created,
             model=p.model,
-            choices=[ChatChunkChoice(delta=Delta(), finish_reason=final.finish_reason)],
+            choices=[
+                ChatChunkChoice(index=p.index, delta=Delta(), finish_reason=final.finish_reason)
+            ],
             speculation=_speculation(method, final),
         )
 
@@ -763,7 +884,7 @@ class _ChatRenderer:
             id=p.id,
             created=p.created,
             model=p.model,
-            choices=[ChatChunkChoice(delta=delta, logprobs=logprobs)],
+            choices=[ChatChunkChoice(index=p.index, delta=delta, logprobs=logprobs)],
         )
 
 
