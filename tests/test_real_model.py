@@ -74,18 +74,21 @@ def check_equivalent_or_tie(engine, smol_dir, plain_outputs, prompts, label: str
     speculative results for further checks."""
     results = []
     for prompt in prompts:
-        plain = plain_outputs[prompt]
         spec = engine.generate(prompt, chat=True, max_new_tokens=24)
         results.append(spec)
-        pos = first_difference(spec.token_ids, plain)
-        if pos is not None:
-            prefix = engine.encode(prompt, chat=True) + plain[:pos]
-            margin = top2_margin_float64(smol_dir, prefix)
-            assert margin < 1e-3, (
-                f"{label} differs at token {pos} of {prompt[:40]!r}, "
-                f"not an fp tie (margin {margin:.4f})"
-            )
+        assert_equal_or_tie(engine, smol_dir, prompt, spec.token_ids, plain_outputs[prompt], label)
     return results
+
+
+def assert_equal_or_tie(engine, smol_dir, prompt, token_ids, plain, label: str) -> None:
+    pos = first_difference(token_ids, plain)
+    if pos is not None:
+        prefix = engine.encode(prompt, chat=True) + plain[:pos]
+        margin = top2_margin_float64(smol_dir, prefix)
+        assert margin < 1e-3, (
+            f"{label} differs at token {pos} of {prompt[:40]!r}, "
+            f"not an fp tie (margin {margin:.4f})"
+        )
 
 
 def top2_margin_float64(smol_dir: Path, prefix: list[int]) -> float:
@@ -110,6 +113,20 @@ def test_greedy_equivalence_on_real_prompts(smol, smol_dir, plain_outputs, metho
     accepted = sum(r.stats.accepted_tokens for r in results)
     if method == "prompt-lookup":
         assert accepted > 10
+
+
+@pytest.mark.parametrize("spec", ["none", "prompt-lookup"])
+def test_batched_greedy_equals_solo_on_real_prompts(smol, smol_dir, plain_outputs, spec):
+    """Continuous batching (4 slots for 6 prompts, so sequences join and leave): each output is
+    its solo greedy output, or differs first at an explained fp tie (a batched pass of several
+    rows can differ in the last bits from a single-row pass)."""
+    engine = SpeculativeEngine.from_pretrained(smol, speculator=spec)
+    results = engine.generate_batch(PROMPTS, chat=True, max_new_tokens=24, max_batch=4)
+    for prompt, result in zip(PROMPTS, results, strict=True):
+        plain = plain_outputs[prompt]
+        assert_equal_or_tie(engine, smol_dir, prompt, result.token_ids, plain, f"batch {spec}")
+    if spec == "prompt-lookup":
+        assert sum(r.stats.accepted_tokens for r in results) > 10
 
 
 def test_plain_decoding_equals_hf_generate(smol):

@@ -219,8 +219,8 @@ class BatchScheduler:
             req = seq.req
             room = engine.context_length - len(req.tokens)
             cap = max(0, min(engine.num_draft_tokens, req.remaining - 1, room - 1))
-            if req.plain:
-                continue
+            if req.plain or (req.arms is None and req.speculator.name == "none"):
+                continue  # nothing drafts: plain rows
             if not req.config.sampling.greedy or not engine.adaptive:
                 # its own timing-free budget (sampled), or always K (fixed)
                 budgets[i] = req.budget.choose(req.remaining, room)

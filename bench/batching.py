@@ -1,0 +1,382 @@
+"""Continuous batching under load: real ``specdec serve`` processes, real streaming clients.
+
+For each server configuration (speculation on and off, both with ``--max-batch``), runs the
+load generator of ``bench/load_test.py`` at each concurrency level, reads the batch-size and
+draft-length histograms from ``/metrics`` before and after every level, and checks every
+response: greedy requests for the same prompt must return the same text at every concurrency
+("mixed" counts those that do not) and make exactly ``--max-tokens`` tokens ("truncated"). Then
+a soak: ``--soak`` requests from 16 clients, a third of them hung up mid-stream at a random
+chunk, with the server's RSS sampled throughout. Writes ``report.md``, ``report.json`` and
+``throughput.png`` into ``--out``. Usage::
+
+    .venv/bin/python bench/batching.py --out docs/bench-batching --threads 1 \\
+        --concurrency 1,4,16,32 --soak 500
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+from rich.console import Console
+
+sys.path.insert(0, str(Path(__file__).parent))
+from load_test import PROMPTS, percentile  # noqa: E402
+
+console = Console(stderr=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    def __init__(self, args: list[str], log: Path, threads: int, cpus: str | None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "specdec.cli.main", "serve", "--port", str(self.port)]
+        cmd += ["--threads", str(threads), "--log-level", "warning", *args]
+        if cpus:
+            cmd = ["taskset", "-c", cpus, *cmd]
+        self.log = log.open("wb")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 600
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited; see {log}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("server did not start")
+            time.sleep(0.5)
+        self.ps = psutil.Process(self.proc.pid)
+        info = httpx.get(f"{self.url}/v1/models", timeout=10).json()["data"][0]
+        self.model = info["id"]
+
+    def rss(self) -> int:
+        return int(self.ps.memory_info().rss)
+
+    def metrics(self) -> dict[str, dict[str, float]]:
+        """Cumulative bucket counts of the batch histograms."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        out: dict[str, dict[str, float]] = {"batch": {}, "draft": {}}
+        for line in text.splitlines():
+            for name, key in (
+                ("specdec_batch_size_bucket", "batch"),
+                ("specdec_batch_draft_length_bucket", "draft"),
+            ):
+                if line.startswith(name):
+                    le = line.split('le="')[1].split('"')[0]
+                    out[key][le] = float(line.rsplit(" ", 1)[1])
+        return out
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+@dataclass
+class Result:
+    ok: bool
+    prompt: int
+    text: str = ""
+    tokens: int = 0
+    ttft: float = 0.0
+    gaps: list[float] = field(default_factory=list)
+    hung_up: bool = False
+    error: str | None = None
+
+
+def stream_one(
+    client: httpx.Client, model: str, prompt: int, max_tokens: int, hang_up_at: int | None
+) -> Result:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": PROMPTS[prompt]}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
+    sent = time.perf_counter()
+    arrivals: list[float] = []
+    parts: list[str] = []
+    tokens = 0
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            return Result(False, prompt, error=f"HTTP {r.status_code}: {r.read()[:200]!r}")
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                return Result(False, prompt, error=chunk["error"]["message"])
+            for c in chunk.get("choices") or ():
+                if c["delta"].get("content"):
+                    arrivals.append(time.perf_counter())
+                    parts.append(c["delta"]["content"])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if hang_up_at is not None and len(arrivals) >= hang_up_at:
+                return Result(True, prompt, "".join(parts), hung_up=True)
+    gaps = [b - a for a, b in zip(arrivals[:-1], arrivals[1:], strict=False)]
+    ttft = arrivals[0] - sent if arrivals else 0.0
+    return Result(True, prompt, "".join(parts), tokens, ttft, gaps)
+
+
+def run_clients(
+    server: ServerProcess,
+    clients: int,
+    requests: int,
+    max_tokens: int,
+    hang_up: float = 0.0,
+    seed: int = 0,
+) -> tuple[list[Result], float]:
+    local = threading.local()
+    rng = random.Random(seed)
+    plan = [
+        (i % len(PROMPTS), rng.randrange(1, 6) if rng.random() < hang_up else None)
+        for i in range(requests)
+    ]
+
+    def task(i: int) -> Result:
+        if not hasattr(local, "client"):
+            local.client = httpx.Client(base_url=server.url, timeout=600.0)
+        prompt, hang = plan[i]
+        try:
+            return stream_one(local.client, server.model, prompt, max_tokens, hang)
+        except httpx.HTTPError as e:
+            return Result(False, prompt, error=f"{type(e).__name__}: {e}")
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        results = list(pool.map(task, range(requests)))
+    return results, time.perf_counter() - start
+
+
+def histogram(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
+    """Per-bucket counts (not cumulative) of what happened between two scrapes."""
+    edges = sorted((k for k in after if k != "+Inf"), key=float) + ["+Inf"]
+    out: dict[str, int] = {}
+    prev = 0.0
+    for e in edges:
+        n = after.get(e, 0.0) - before.get(e, 0.0)
+        out[e] = int(n - prev)
+        prev = n
+    return {k: v for k, v in out.items() if v}
+
+
+def mean_of(hist: dict[str, int]) -> float:
+    total = sum(hist.values())
+    if not total:
+        return 0.0
+    return sum(float(k if k != "+Inf" else 64) * v for k, v in hist.items()) / total
+
+
+def level(
+    server: ServerProcess, clients: int, requests: int, max_tokens: int, refs: dict[int, str]
+) -> dict[str, Any]:
+    before = server.metrics()
+    results, wall = run_clients(server, clients, requests, max_tokens)
+    after = server.metrics()
+    good = [r for r in results if r.ok]
+    for r in good:
+        refs.setdefault(r.prompt, r.text)
+    mixed = sum(1 for r in good if r.text != refs[r.prompt])
+    truncated = sum(1 for r in good if r.tokens != max_tokens)
+    gaps = [g for r in good for g in r.gaps]
+    batch = histogram(before["batch"], after["batch"])
+    draft = histogram(before["draft"], after["draft"])
+    tokens = sum(r.tokens for r in good)
+    return {
+        "clients": clients,
+        "requests": requests,
+        "lost": len(results) - len(good),
+        "mixed": mixed,
+        "truncated": truncated,
+        "tokens": tokens,
+        "wall_s": round(wall, 2),
+        "tok_s": round(tokens / wall, 2),
+        "ttft_p50_s": round(percentile([r.ttft for r in good], 50), 3),
+        "ttft_p99_s": round(percentile([r.ttft for r in good], 99), 3),
+        "itl_p50_ms": round(1000 * percentile(gaps, 50), 1),
+        "itl_p99_ms": round(1000 * percentile(gaps, 99), 1),
+        "batch_hist": batch,
+        "batch_mean": round(mean_of(batch), 2),
+        "draft_hist": draft,
+        "draft_mean": round(mean_of(draft), 2),
+        "errors": sorted({r.error for r in results if r.error})[:3],
+    }
+
+
+def soak(server: ServerProcess, requests: int, max_tokens: int, refs: dict[int, str]) -> dict:
+    samples: list[int] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            samples.append(server.rss())
+            time.sleep(1.0)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    start_rss = server.rss()
+    sampler.start()
+    results, wall = run_clients(server, 16, requests, max_tokens, hang_up=1 / 3, seed=1)
+    stop.set()
+    sampler.join()
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{server.url}/health", timeout=5).json()["busy"]:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    health = httpx.get(f"{server.url}/health", timeout=5).json()
+    whole = [r for r in results if r.ok and not r.hung_up]
+    for r in whole:
+        refs.setdefault(r.prompt, r.text)
+    mixed = sum(1 for r in whole if r.text != refs[r.prompt])
+    return {
+        "requests": requests,
+        "hung_up": sum(1 for r in results if r.hung_up),
+        "lost": sum(1 for r in results if not r.ok),
+        "mixed": mixed,
+        "truncated": sum(1 for r in whole if r.tokens != max_tokens),
+        "wall_s": round(wall, 1),
+        "rss_start_mb": round(start_rss / 2**20),
+        "rss_peak_mb": round(max(samples or [start_rss]) / 2**20),
+        "rss_end_mb": round(server.rss() / 2**20),
+        "busy_after": health["busy"],
+        "rss_series_mb": [round(s / 2**20) for s in samples],
+    }
+
+
+def plot(configs: list[dict[str, Any]], out: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        console.print("[yellow]matplotlib missing: no plot[/]")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for cfg in configs:
+        xs = [lv["clients"] for lv in cfg["levels"]]
+        axes[0].plot(xs, [lv["tok_s"] for lv in cfg["levels"]], marker="o", label=cfg["label"])
+        axes[1].plot(xs, [lv["itl_p99_ms"] for lv in cfg["levels"]], marker="o", label=cfg["label"])
+    for ax, title in zip(axes, ("aggregate tokens/s", "p99 inter-token latency (ms)"), strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent streaming clients")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "throughput.png", dpi=120)
+
+
+def markdown(configs: list[dict[str, Any]], soaked: dict[str, Any] | None, cmd: str) -> str:
+    lines = [f"`{cmd}`", ""]
+    lines.append(
+        "| server | clients | tok/s (all) | × 1 client | TTFT p50 s | ITL p50 ms | ITL p99 ms "
+        "| p99 × 1 client | mean batch | mean draft L | lost | mixed | truncated |"
+    )
+    lines.append("|" + "---|" * 13)
+    for cfg in configs:
+        base = cfg["levels"][0]
+        for lv in cfg["levels"]:
+            lines.append(
+                f"| {cfg['label']} | {lv['clients']} | {lv['tok_s']} | "
+                f"{lv['tok_s'] / base['tok_s']:.2f} | {lv['ttft_p50_s']} | {lv['itl_p50_ms']} | "
+                f"{lv['itl_p99_ms']} | {lv['itl_p99_ms'] / base['itl_p99_ms']:.2f} | "
+                f"{lv['batch_mean']} | {lv['draft_mean']} | {lv['lost']} | {lv['mixed']} | "
+                f"{lv['truncated']} |"
+            )
+    if len(configs) == 2:
+        lines += ["", "| clients | speculation tok/s ÷ plain tok/s |", "|---|---|"]
+        for a, b in zip(configs[0]["levels"], configs[1]["levels"], strict=True):
+            lines.append(f"| {a['clients']} | {a['tok_s'] / b['tok_s']:.2f} |")
+    if soaked:
+        lines += ["", "Soak (16 clients, a third hung up mid-stream):", ""]
+        keys = [k for k in soaked if k != "rss_series_mb"]
+        lines.append("| " + " | ".join(keys) + " |")
+        lines.append("|" + "---|" * len(keys))
+        lines.append("| " + " | ".join(str(soaked[k]) for k in keys) + " |")
+    for cfg in configs:
+        lines += ["", f"Batch sizes per step, {cfg['label']}:", ""]
+        for lv in cfg["levels"]:
+            lines.append(f"- {lv['clients']} clients: {lv['batch_hist']}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--concurrency", default="1,4,16,32")
+    ap.add_argument("--requests", type=int, default=0, help="per level (default 2 x clients, >= 8)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-batch", type=int, default=32)
+    ap.add_argument("--speculator", default="prompt-lookup")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--cpus", default=None, help="taskset CPU list for the servers")
+    ap.add_argument("--soak", type=int, default=500, help="soak requests (0: none)")
+    ap.add_argument("--model-args", default="", help="extra serve arguments (e.g. --model DIR)")
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    cmd = "python bench/batching.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    configs = []
+    refs: dict[int, str] = {}  # greedy text per prompt, shared by both servers
+    soaked = None
+    for label, spec in ((args.speculator, args.speculator), ("none", "none")):
+        serve = ["--speculator", spec, "--max-batch", str(args.max_batch), "--max-queue", "256"]
+        serve += args.model_args.split()
+        console.print(f"starting server: {label}")
+        server = ServerProcess(serve, args.out / f"server-{label}.log", args.threads, args.cpus)
+        try:
+            run_clients(server, 1, 2, 8)  # warm-up
+            rows = []
+            for c in levels:
+                n = args.requests or max(8, 2 * c)
+                rows.append(level(server, c, n, args.max_tokens, refs))
+                console.print(f"{label}: {c} clients: {rows[-1]['tok_s']} tok/s")
+            configs.append({"label": label, "levels": rows})
+            if args.soak and soaked is None:
+                console.print(f"soak: {args.soak} requests")
+                soaked = soak(server, args.soak, args.max_tokens // 2, {})
+        finally:
+            server.stop()
+    (args.out / "report.json").write_text(
+        json.dumps({"command": cmd, "configs": configs, "soak": soaked}, indent=1)
+    )
+    (args.out / "report.md").write_text(markdown(configs, soaked, cmd))
+    plot(configs, args.out)
+    print(markdown(configs, soaked, cmd))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
