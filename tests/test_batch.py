@@ -56,9 +56,10 @@ def _random_path(rng: random.Random, tree: DraftTree) -> list[int]:
 
 
 def test_kv_cache_invariant_after_any_mix_of_steps(tiny64):
-    """Rows join (prefilled in chunks), verify random chains and trees, commit random paths,
-    leave; every row's cache equals a fresh prefill of its committed tokens after each step,
-    and every tree's logits equal those of its nodes' own chains decoded solo."""
+    """Rows join (prefilled in chunks, or several packed into one pass), verify random chains
+    and trees, commit random paths, leave; every row's cache equals a fresh prefill of its
+    committed tokens after each step, and every tree's logits equal those of its nodes' own
+    chains decoded solo."""
     rng = random.Random(0)
     vocab = tiny64.model.config.vocab_size
     target = BatchTarget(tiny64, chunk=5)
@@ -66,14 +67,22 @@ def test_kv_cache_invariant_after_any_mix_of_steps(tiny64):
     roots: list[int] = []
     for step in range(40):
         if len(committed) < 5 and rng.random() < 0.4:
-            prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 14))]
-            prefill = target.start_prefill(prompt)
-            row = None
-            while row is None:
-                row = target.prefill_chunk(prefill)
-            assert row == len(committed)
-            committed.append(prompt[:-1])
-            roots.append(prompt[-1])
+            prompts = [
+                [rng.randrange(vocab) for _ in range(rng.randrange(1, 14))]
+                for _ in range(rng.choice([1, 1, 2, 3]))
+            ]
+            if len(prompts) > 1:  # packed into one pass, block-diagonal
+                rows = target.prefill_packed([target.start_prefill(p) for p in prompts])
+            else:  # chunked, 5 tokens per pass
+                prefill = target.start_prefill(prompts[0])
+                row = None
+                while row is None:
+                    row = target.prefill_chunk(prefill)
+                rows = [row]
+            assert rows == list(range(len(committed), len(committed) + len(prompts)))
+            for prompt in prompts:
+                committed.append(prompt[:-1])
+                roots.append(prompt[-1])
         if committed and rng.random() < 0.15:
             row = rng.randrange(len(committed))
             target.remove(row)
@@ -110,17 +119,21 @@ def test_kv_cache_invariant_after_any_mix_of_steps(tiny64):
 
 
 @pytest.mark.parametrize("spec", ["none", "prompt-lookup", "suffix", "lookahead", "auto"])
-@pytest.mark.parametrize("max_batch", [2, 8])
-def test_greedy_batch_equals_solo(tiny64, spec, max_batch):
+@pytest.mark.parametrize("max_batch,adaptive", [(2, True), (8, True), (3, False)])
+def test_greedy_batch_equals_solo(tiny64, spec, max_batch, adaptive):
     """Each sequence's greedy output equals its solo greedy output, whoever it is batched
-    with (max_batch 2 makes sequences join and leave mid-run)."""
-    engine = SpeculativeEngine.from_pretrained(tiny64, speculator=spec, num_draft_tokens=4)
+    with (max_batch 2 and 3 make sequences join and leave mid-run). The adaptive batch budget
+    may rightly draft nothing on a tiny model (its choice depends on measured timings), so the
+    drafting path is asserted with a fixed K."""
+    engine = SpeculativeEngine.from_pretrained(
+        tiny64, speculator=spec, num_draft_tokens=4, adaptive=adaptive
+    )
     solo = [engine.generate(p, max_new_tokens=24, ignore_eos=True).token_ids for p in PROMPTS]
     batched = engine.generate_batch(
         PROMPTS, max_new_tokens=24, ignore_eos=True, max_batch=max_batch
     )
     assert [r.token_ids for r in batched] == solo
-    if spec != "none":
+    if spec != "none" and not adaptive:
         assert sum(r.stats.drafted_tokens for r in batched) > 0
 
 

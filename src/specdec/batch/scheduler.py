@@ -40,6 +40,7 @@ from specdec.target import HFTarget
 from specdec.tree import DraftTree
 
 _ids = itertools.count()
+PACK_LIMIT = 1024  # prompt tokens prefilled in one pass when nothing runs yet
 
 
 @dataclass(eq=False)
@@ -183,25 +184,36 @@ class BatchScheduler:
                 s.end_request(list(req.tokens), req.prompt_len)
 
     def _prefill(self) -> int:
-        """Feed up to ``chunk`` prompt tokens, oldest waiting sequence first; all of a prompt
-        when nothing is running (no one to delay)."""
-        fed = 0
-        while self.waiting and len(self.running) < self.max_batch:
-            seq = self.waiting[0]
-            prefill = seq.prefill
-            assert prefill is not None
-            left = self.chunk - fed
-            if self.running and left <= 0:
-                break
-            take = len(prefill.tokens) - prefill.done
-            if self.running:
-                take = min(take, left)
-            started = time.perf_counter()
-            row = self.target.prefill_chunk(prefill, max(1, take))
-            fed += take
-            seq.req.stats.prefill_seconds += time.perf_counter() - started
-            if row is None:
-                continue
+        """At most one prefill pass per step: the next chunk of a prompt already under way, or
+        as many fresh prompts as fit in ``chunk`` tokens packed into one pass (a longer one
+        starts alone, chunked). With nothing running there is no one to delay: up to
+        ``PACK_LIMIT`` tokens at once."""
+        if not self.waiting or len(self.running) >= self.max_batch:
+            return 0
+        budget = self.chunk if self.running else max(self.chunk, PACK_LIMIT)
+        head = self.waiting[0]
+        assert head.prefill is not None
+        started = time.perf_counter()
+        if head.prefill.done or len(head.prefill.tokens) > budget:
+            before = head.prefill.done
+            row = self.target.prefill_chunk(head.prefill, budget)
+            fed = head.prefill.done - before
+            group, rows = [head], ([] if row is None else [row])
+        else:
+            group, fed = [], 0
+            room = self.max_batch - len(self.running)
+            for seq in self.waiting:
+                assert seq.prefill is not None
+                size = len(seq.prefill.tokens)
+                if len(group) == room or seq.prefill.done or fed + size > budget:
+                    break
+                group.append(seq)
+                fed += size
+            rows = self.target.prefill_packed([s.prefill for s in group if s.prefill])
+        seconds = time.perf_counter() - started
+        for seq in group:
+            seq.req.stats.prefill_seconds += seconds
+        for seq, row in zip(group, rows, strict=False):
             assert row == len(self.running)
             self.waiting.popleft()
             seq.prefill = None

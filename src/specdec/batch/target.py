@@ -41,6 +41,15 @@ class Prefill:
         return self.done >= len(self.tokens)
 
 
+def _entries(
+    buffer: torch.Tensor | None, cut: slice | None = None
+) -> torch.Tensor | None:  # [heads, L, dim]
+    """A prefill cache layer's entries (``[1, heads, L, dim]``) as one row's, or ``None``."""
+    if buffer is None or buffer.numel() == 0:
+        return None
+    return buffer[0] if cut is None else buffer[0, :, cut]
+
+
 class BatchTarget:
     """The target model over a :class:`SlotCache`: prefill, verify a batch, commit per row.
 
@@ -82,8 +91,8 @@ class BatchTarget:
         return Prefill(list(prompt[:-1]), runner)
 
     def prefill_chunk(self, prefill: Prefill, chunk: int | None = None) -> int | None:
-        """Feed the next chunk; when the prompt is in, move it into a new row and return the
-        row's index (else ``None``)."""
+        """Feed ``prefill``'s next chunk on its own cache; when the prompt is in, move it into
+        a new row and return the row's index (else ``None``)."""
         if not prefill.finished:
             size = chunk or self.chunk
             part = prefill.tokens[prefill.done : prefill.done + size]
@@ -94,21 +103,74 @@ class BatchTarget:
         if not prefill.finished:
             return None
         layers = prefill.runner.cache.hf.layers
-        keys = [getattr(layer, "keys", None) for layer in layers]
-        values = [getattr(layer, "values", None) for layer in layers]
-        keys = [None if k is None or k.numel() == 0 else k[0] for k in keys]
-        values = [None if v is None or v.numel() == 0 else v[0] for v in values]
-        row = self.cache.add_row(keys, values)
-        self.features.append(torch.cat(prefill.features) if prefill.features else None)
+        keys = [_entries(getattr(layer, "keys", None)) for layer in layers]
+        values = [_entries(getattr(layer, "values", None)) for layer in layers]
         prefill.runner.reset()  # its cache now lives in the row
+        return self._add(prefill, keys, values)
+
+    def prefill_packed(self, prefills: Sequence[Prefill]) -> list[int]:
+        """Prefill several fresh prompts in ONE forward pass, packed one after another with
+        positions restarting at 0 for each and a block-diagonal causal mask, so each sees only
+        itself (what its own prefill computes); the entries are then split into new rows.
+
+        One pass instead of one per newcomer matters on a CPU, where every pass streams all the
+        weights: admitting several requests in a step costs about one pass, not several."""
+        if len(prefills) == 1 or any(p.done for p in prefills):
+            rows = []
+            for p in prefills:
+                row = self.prefill_chunk(p, len(p.tokens) - p.done or 1)
+                assert row is not None
+                rows.append(row)
+            return rows
+        sizes = [len(p.tokens) for p in prefills]
+        tokens = [t for p in prefills for t in p.tokens]
+        if not tokens:  # one-token prompts: nothing to cache
+            return [self._add(p, [None] * len(self.cache.hf.layers), []) for p in prefills]
+        total = len(tokens)
+        positions = torch.cat([torch.arange(n) for n in sizes])  # [T]
+        mask = torch.zeros(total, total, dtype=torch.bool)  # [T, T] block-diagonal causal
+        offset = 0
+        for n in sizes:
+            mask[offset : offset + n, offset : offset + n] = torch.ones(n, n).tril().bool()
+            offset += n
+        runner = prefills[0].runner
+        runner.forward(tokens, position_ids=positions, tree_mask=mask, logits_to_keep=1)
+        hidden = runner.last_hidden
+        layers = runner.cache.hf.layers
+        all_keys = [getattr(layer, "keys", None) for layer in layers]
+        all_values = [getattr(layer, "values", None) for layer in layers]
+        rows, offset = [], 0
+        for p, n in zip(prefills, sizes, strict=True):
+            cut = slice(offset, offset + n)
+            keys = [_entries(k, cut) for k in all_keys]
+            values = [_entries(v, cut) for v in all_values]
+            p.done = n
+            if hidden is not None and n:
+                p.features.append(hidden[cut])
+            rows.append(self._add(p, keys, values))
+            offset += n
+        runner.reset()
+        return rows
+
+    def _add(
+        self,
+        prefill: Prefill,
+        keys: Sequence[torch.Tensor | None],
+        values: Sequence[torch.Tensor | None],
+    ) -> int:
+        row = self.cache.add_row(keys, values or [None] * len(keys))
+        self.features.append(torch.cat(prefill.features) if prefill.features else None)
         return row
 
     def remove(self, row: int) -> None:
-        """Free ``row``: the last row moves into it."""
+        """Free ``row``: the last row moves into it. The last row out frees the buffers, so a
+        burst of long sequences does not hold its memory while the batch is empty."""
         self.cache.remove_row(row)
         last = self.features.pop()
         if row < len(self.features):
             self.features[row] = last
+        if not len(self.cache):
+            self.cache = SlotCache(self.model.config)
 
     # -- verification ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -159,7 +221,7 @@ class BatchTarget:
             attention_mask=mask,
             use_cache=True,
             output_hidden_states=self.output_hidden,
-            **{self.runner._cache_kw: self.cache.hf},
+            **{self.runner.cache_keyword: self.cache.hf},
         )
         self._write_at = at
         self._tree_sizes = [len(t) for t in trees]

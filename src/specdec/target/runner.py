@@ -54,6 +54,11 @@ class ModelRunner:
         self.last_hidden: torch.Tensor | None = None  # [T, H * len(hidden_layers)], when kept
 
     @property
+    def cache_keyword(self) -> str:
+        """The name of the model's KV-cache argument (``past_key_values`` or ``cache``)."""
+        return self._cache_kw
+
+    @property
     def context_length(self) -> int:
         cfg = self.model.config
         return int(getattr(cfg, "max_position_embeddings", 0) or 2048)
