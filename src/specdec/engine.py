@@ -520,6 +520,14 @@ class SpeculativeEngine:
 
         return generate_batch(self, prompts, max_batch=max_batch, **kwargs)
 
+    def generate_batch_ids(
+        self, prompt_ids: Sequence[Sequence[int]], *, max_batch: int = 8, **kwargs: Any
+    ) -> list[GenerationResult]:
+        """:meth:`generate_batch` for prompts given as token ids."""
+        from specdec.batch import generate_batch_ids
+
+        return generate_batch_ids(self, prompt_ids, max_batch=max_batch, **kwargs)
+
     def generate(self, prompt: Prompt, **kwargs: Any) -> GenerationResult:
         """Run :meth:`stream` to the end; same keyword arguments."""
         speculate = kwargs.get("speculate", True)
@@ -528,7 +536,9 @@ class SpeculativeEngine:
         finish = "length"
         stats = RequestStats()
         logprobs: list[TokenLogprob] | None = [] if kwargs.get("logprobs") else None
+        eos: int | None = None
         for event in self.stream(prompt, **kwargs):
+            eos = event.eos_token_id if event.eos_token_id is not None else eos
             token_ids.extend(event.token_ids)
             parts.append(event.text)
             if logprobs is not None and event.logprobs is not None:
@@ -537,7 +547,7 @@ class SpeculativeEngine:
             if event.finish_reason:
                 finish = event.finish_reason
         method = self.method if speculate else "none"
-        return GenerationResult("".join(parts), token_ids, finish, method, stats, logprobs)
+        return GenerationResult("".join(parts), token_ids, finish, method, stats, logprobs, eos)
 
 
 class Emitter:
@@ -556,10 +566,10 @@ class Emitter:
         req, config = self.req, self.req.config
         eos = self.engine.eos_token_ids
         emitted: list[int] = []
-        text, finish, stop_hit = "", None, False
+        text, finish, stop_hit, eos_hit = "", None, False, None
         for token in acceptance.tokens:
             if token in eos and not config.ignore_eos:
-                finish = "stop"
+                finish, eos_hit = "stop", token
                 break
             emitted.append(token)
             req.tokens.append(token)
@@ -579,4 +589,4 @@ class Emitter:
         req.stats.new_tokens = len(req.tokens) - req.prompt_len
         req.stats.seconds = time.perf_counter() - req.started
         lps = None if req.logprobs is None else tuple(req.step_logprobs[: len(emitted)])
-        return TokenEvent(tuple(emitted), text, finish, req.stats.snapshot(), lps)
+        return TokenEvent(tuple(emitted), text, finish, req.stats.snapshot(), lps, eos_hit)

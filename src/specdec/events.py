@@ -24,6 +24,8 @@ class TokenEvent:
     stats: RequestStats
     # one per token in token_ids when the request asked for logprobs (see specdec.logprobs)
     logprobs: tuple[TokenLogprob, ...] | None = None
+    # the end-of-sequence token that ended the output (not in token_ids), when one did
+    eos_token_id: int | None = None
 
 
 @dataclass
@@ -34,6 +36,7 @@ class GenerationResult:
     method: str
     stats: RequestStats = field(default_factory=RequestStats)
     logprobs: list[TokenLogprob] | None = None  # one per token id, when asked for
+    eos_token_id: int | None = None  # the end-of-sequence token that ended it, if one did
 
     def to_dict(self) -> dict[str, Any]:
         return {

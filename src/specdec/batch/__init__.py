@@ -1,7 +1,13 @@
 """Batched serving: many sequences verified in one target pass (continuous batching)."""
 
 from specdec.batch.cache import SlotCache
-from specdec.batch.scheduler import BatchScheduler, BatchSequence, StepReport, generate_batch
+from specdec.batch.scheduler import (
+    BatchScheduler,
+    BatchSequence,
+    StepReport,
+    generate_batch,
+    generate_batch_ids,
+)
 from specdec.batch.target import BatchTarget
 
 __all__ = [
@@ -11,4 +17,5 @@ __all__ = [
     "SlotCache",
     "StepReport",
     "generate_batch",
+    "generate_batch_ids",
 ]

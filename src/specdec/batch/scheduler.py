@@ -56,6 +56,7 @@ class BatchSequence:
     cancelled: bool = False
     finished: bool = False
     finish_reason: str | None = None
+    eos_token_id: int | None = None
     tokens_out: list[int] = field(default_factory=list)
 
 
@@ -280,6 +281,7 @@ class BatchScheduler:
             events.append((seq, event))
             if event.finish_reason is not None:
                 seq.finish_reason = event.finish_reason
+                seq.eos_token_id = event.eos_token_id
                 done.append(row)
         self._release(done)
         return width, length, seconds, events
@@ -297,6 +299,23 @@ def generate_batch(
     *,
     max_batch: int = 8,
     chat: bool | None = None,
+    **kwargs: Any,
+) -> list[GenerationResult]:
+    """Generate for every prompt with continuous batching; results in prompt order.
+
+    Takes :meth:`SpeculativeEngine.generate`'s keyword arguments (``max_new_tokens``,
+    ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``ignore_eos``, ``speculate``,
+    ``grammar``, ``logprobs``, ``top_logprobs``); ``seeds`` gives each prompt its own seed (a
+    single ``seed`` applies to all)."""
+    ids = [engine.encode(p, chat) for p in prompts]
+    return generate_batch_ids(engine, ids, max_batch=max_batch, **kwargs)
+
+
+def generate_batch_ids(
+    engine: SpeculativeEngine,
+    prompt_ids: Sequence[Sequence[int]],
+    *,
+    max_batch: int = 8,
     speculate: bool = True,
     seeds: Sequence[int | None] | None = None,
     grammar: Grammar | None = None,
@@ -304,22 +323,21 @@ def generate_batch(
     top_logprobs: int = 0,
     **kwargs: Any,
 ) -> list[GenerationResult]:
-    """Generate for every prompt with continuous batching; results in prompt order.
-
-    Takes :meth:`SpeculativeEngine.generate`'s keyword arguments (``max_new_tokens``,
-    ``temperature``, ``top_p``, ``top_k``, ``stop``, ``ignore_eos``); ``seeds`` gives each
-    prompt its own seed (a single ``seed`` applies to all)."""
+    """:func:`generate_batch` for prompts given as token ids (batch jobs that tokenized
+    already, such as the trainers' data generation)."""
     sampling_keys = {"temperature", "top_p", "top_k"}
     config_keys = {"max_new_tokens", "stop", "ignore_eos"}
     unknown = set(kwargs) - sampling_keys - config_keys - {"seed"}
     if unknown:
         raise InvalidRequestError(f"generate_batch got unknown arguments: {sorted(unknown)}")
-    if seeds is not None and len(seeds) != len(prompts):
-        raise InvalidRequestError(f"{len(seeds)} seeds for {len(prompts)} prompts", param="seeds")
+    if seeds is not None and len(seeds) != len(prompt_ids):
+        raise InvalidRequestError(
+            f"{len(seeds)} seeds for {len(prompt_ids)} prompts", param="seeds"
+        )
     scheduler = BatchScheduler(engine, max_batch=max_batch)
     stop = kwargs.get("stop", ())
     seqs: list[BatchSequence] = []
-    for i, prompt in enumerate(prompts):
+    for i, ids in enumerate(prompt_ids):
         seed = seeds[i] if seeds is not None else kwargs.get("seed")
         sampling = SamplingConfig(
             temperature=kwargs.get("temperature", 0.0),
@@ -333,10 +351,9 @@ def generate_batch(
             ignore_eos=kwargs.get("ignore_eos", False),
             sampling=sampling,
         )
-        ids = engine.encode(prompt, chat)
         seqs.append(
             scheduler.add(
-                ids,
+                list(ids),
                 config,
                 speculate=speculate,
                 grammar=grammar,
@@ -361,6 +378,7 @@ def generate_batch(
             method,
             stats.get(s.id, RequestStats()),
             lps[s.id] if logprobs else None,
+            s.eos_token_id,
         )
         for s in seqs
     ]

@@ -404,42 +404,41 @@ def _chunks(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
         yield items[i : i + size]
 
 
-@torch.inference_mode()
+_ENGINE: list[Any] = []  # [(loaded, engine)]: the last engine built, reused across batches
+
+
+def _engine_for(loaded: LoadedModel) -> Any:
+    from specdec.engine import SpeculativeEngine
+
+    if not _ENGINE or _ENGINE[0][0] is not loaded:
+        engine = SpeculativeEngine.from_pretrained(loaded, speculator="prompt-lookup")
+        _ENGINE[:] = [(loaded, engine)]
+    return _ENGINE[0][1]
+
+
 def generate_batch(
     loaded: LoadedModel, prompts: Sequence[Sequence[int]], manifest: DataManifest, seed: int
 ) -> list[list[int]]:
-    """Responses (ending with the EOS when the model stopped) for left-padded prompts."""
-    model: Any = loaded.model  # generate() is untyped in transformers' stubs
-    eos = sorted(loaded.eos_token_ids)
-    pad = loaded.tokenizer.pad_token_id
-    pad = int(pad) if pad is not None else (eos[0] if eos else 0)
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)  # [B, T]
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)  # [B, T]
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.tensor(p)
-        mask[i, width - len(p) :] = 1
+    """Responses (ending with the EOS when the model stopped) for a batch of prompts.
+
+    Runs the engine's own continuous batching (:mod:`specdec.batch`) with prompt-lookup
+    speculation, which is lossless: greedy answers are the target's greedy answers, sampled ones
+    follow its distribution, each prompt drawing from its own seed (``seed + i``), so an answer
+    does not depend on which prompts shared its batch."""
+    engine = _engine_for(loaded)
     sampled = manifest.temperature > 0
-    if sampled:
-        torch.manual_seed(seed)
-    out = model.generate(
-        input_ids=ids,
-        attention_mask=mask,
+    results = engine.generate_batch_ids(
+        [list(p) for p in prompts],
+        max_batch=len(prompts),
         max_new_tokens=manifest.max_new_tokens,
-        do_sample=sampled,
-        temperature=manifest.temperature if sampled else None,
-        top_p=None,
-        top_k=None,
-        eos_token_id=eos or None,
-        pad_token_id=pad,
-    )  # [B, T + new]
+        temperature=manifest.temperature if sampled else 0.0,
+        seeds=[seed + i for i in range(len(prompts))] if sampled else None,
+    )
     responses = []
-    for row in out[:, width:].tolist():
-        resp: list[int] = []
-        for t in row:
-            resp.append(int(t))
-            if t in loaded.eos_token_ids:
-                break
+    for r in results:
+        resp = list(r.token_ids)
+        if r.eos_token_id is not None:
+            resp.append(int(r.eos_token_id))
         responses.append(resp)
     return responses
 
