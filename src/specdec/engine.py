@@ -427,22 +427,35 @@ class SpeculativeEngine:
     def propose(self, req: _Request, budget: int, features: torch.Tensor | None) -> _Proposal:
         """The request's draft for this step (``budget`` 0: the root alone), pruned by its
         grammar; drafting time goes to the stats and the cost model."""
-        root = req.tokens[-1]
+        tree, seconds, catch_up = self.draft(req, budget, features)
+        return self.proposal(req, budget, tree, seconds, catch_up)
+
+    def draft(
+        self, req: _Request, budget: int, features: torch.Tensor | None
+    ) -> tuple[DraftTree, float, float]:
+        """The drafter's tree for ``budget``, its drafting seconds and catch-up seconds."""
+        if budget <= 0:
+            return DraftTree.root_only(req.tokens[-1]), 0.0, 0.0
         drafter = req.arms or req.speculator
         t0 = time.perf_counter()
-        tree = self._draft(req, budget, features) if budget > 0 else DraftTree.root_only(root)
+        tree = self._draft(req, budget, features)
+        return tree, time.perf_counter() - t0, drafter.catch_up_seconds()
+
+    def proposal(
+        self, req: _Request, budget: int, tree: DraftTree, seconds: float, catch_up: float
+    ) -> _Proposal:
+        """A drafted tree made ready for verification: the grammar prunes what it forbids
+        (and masks every node's logits later); the stats and the cost model record drafting."""
         t1 = time.perf_counter()
-        # a grammar prunes what it forbids (before verification) and masks every node's logits
         constrained = req.constraint.prepare(tree, extend=not req.plain) if req.constraint else None
-        catch_up = drafter.catch_up_seconds() if budget > 0 else 0.0
-        req.stats.draft_seconds += t1 - t0
-        self.cost_model.observe_draft(tree.num_drafted, max(0.0, t1 - t0 - catch_up))
+        req.stats.draft_seconds += seconds
+        self.cost_model.observe_draft(tree.num_drafted, max(0.0, seconds - catch_up))
         return _Proposal(
             budget,
             tree,
             constrained.tree if constrained else tree,
             constrained,
-            t1 - t0,
+            seconds,
             time.perf_counter() - t1,
             catch_up,
         )

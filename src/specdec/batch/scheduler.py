@@ -221,10 +221,18 @@ class BatchScheduler:
             self.running.append(seq)
         return fed
 
-    def _budgets(self) -> tuple[list[int], int]:
-        """Each running sequence's draft budget, and the batch's ``L``."""
+    def _proposals(self) -> tuple[list[_Proposal], int]:
+        """Every running sequence's proposal for this step, and the batch's ``L``.
+
+        Greedy sequences whose speculator drafts cheaply (no model) draft first, up to their
+        cap; the batch budget then prices each length against the drafts actually at hand (a
+        sequence with no match adds no rows) and cuts them to it. A sequence drafted by a model
+        is sized before drafting, since its draft costs real time. Sampled and fixed-K sequences
+        keep their own budgets."""
         engine = self.engine
-        budgets: list[int] = [0] * len(self.running)
+        n = len(self.running)
+        budgets = [0] * n
+        drafts: dict[int, tuple[DraftTree, float, float]] = {}
         sized: list[int] = []
         candidates: list[Candidate] = []
         floor = 1
@@ -240,21 +248,33 @@ class BatchScheduler:
                 floor = max(floor, 1 + min(budgets[i], engine.num_draft_tokens))
                 continue
             sized.append(i)
-            candidates.append(Candidate(seq.tracker.alphas, cap))
+            spec = req.speculator
+            if cap and req.arms is None and not spec.drafts_by_model and spec.truncatable:
+                tree, seconds, catch_up = engine.draft(req, cap, self.target.features[i])
+                drafts[i] = (tree, seconds, catch_up)
+                depth = max(tree.depths)
+                candidates.append(Candidate(seq.tracker.alphas, cap, tree.num_drafted, depth))
+            else:
+                candidates.append(Candidate(seq.tracker.alphas, cap))
         length = 0
         if candidates:
             self.budget.draft_seconds_per_token = engine.cost_model.draft_seconds_per_token
-            length = self.budget.choose(candidates, len(self.running) - len(sized), floor)
+            length = self.budget.choose(candidates, n - len(sized), floor)
             for i, c in zip(sized, candidates, strict=True):
                 budgets[i] = min(length, c.cap)
-        return budgets, length
+        proposals: list[_Proposal] = []
+        for i, seq in enumerate(self.running):
+            if i in drafts:
+                tree, seconds, catch_up = drafts[i]
+                cut = tree.truncated(budgets[i])
+                proposals.append(engine.proposal(seq.req, budgets[i], cut, seconds, catch_up))
+            else:
+                proposals.append(engine.propose(seq.req, budgets[i], self.target.features[i]))
+        return proposals, length
 
     def _decode(self) -> tuple[int, int, float, list[tuple[BatchSequence, TokenEvent]]]:
         engine = self.engine
-        budgets, length = self._budgets()
-        proposals: list[_Proposal] = []
-        for row, (seq, budget) in enumerate(zip(self.running, budgets, strict=True)):
-            proposals.append(engine.propose(seq.req, budget, self.target.features[row]))
+        proposals, length = self._proposals()
         trees: list[DraftTree] = [p.tree for p in proposals]
         t1 = time.perf_counter()
         logits = self.target.verify(trees)

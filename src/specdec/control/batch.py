@@ -26,21 +26,50 @@ from specdec.control.budget import CostModel, expected_tokens
 
 @dataclass
 class BatchCosts:
-    """T(rows) of a batched pass in seconds: a moving average per measured row count; between
-    measured counts, linear interpolation; outside them, the measured end scaled by the shape
-    of the single-sequence cost curve ``shape`` (calibrated, or its generic prior)."""
+    """T(rows) of a batched pass in seconds, learned from every timed pass.
+
+    Per measured row count, a moving average; between measured counts, linear interpolation;
+    outside them, a decayed least-squares line T = a + b x rows over all passes (the pass is
+    bound by streaming the weights at few rows and by arithmetic at many, so the line's slope is
+    what extra rows cost where the batch runs); before two distinct row counts are seen, the
+    measured end scaled by the single-sequence curve ``shape``. Extrapolating with that flat
+    shape alone would price the rows a draft adds at almost nothing once the pass is
+    compute-bound, and the budget would keep drafting when batching has filled the pass."""
 
     shape: CostModel = field(default_factory=CostModel.prior)
     decay: float = 0.8
+    fit_decay: float = 0.98
     seconds: dict[int, float] = field(default_factory=dict)
+    _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # w, x, y, xx, xy
 
     def observe(self, rows: int, seconds: float) -> None:
         if rows < 1 or not seconds > 0:
             return
         old = self.seconds.get(rows)
-        self.seconds[rows] = (
-            seconds if old is None else self.decay * old + (1 - self.decay) * seconds
-        )
+        d = self.decay
+        self.seconds[rows] = seconds if old is None else d * old + (1 - d) * seconds
+        f = self.fit_decay
+        for i, v in enumerate((1.0, rows, seconds, rows * rows, rows * seconds)):
+            self._sums[i] = f * self._sums[i] + v
+
+    def line(self) -> tuple[float, float] | None:
+        """(a, b) of the fitted T = a + b x rows, or ``None`` before two row counts are seen.
+
+        >>> c = BatchCosts()
+        >>> for rows, s in ((16, 1.0), (32, 1.5), (64, 2.5)):
+        ...     c.observe(rows, s)
+        >>> [round(v, 4) for v in c.line()]
+        [0.5, 0.0312]
+        """
+        w, x, y, xx, xy = self._sums
+        if len(self.seconds) < 2 or w <= 0:
+            return None
+        var = xx / w - (x / w) ** 2
+        if var <= 1e-9:
+            return None
+        b = max(0.0, (xy / w - (x / w) * (y / w)) / var)
+        a = max(0.0, y / w - b * x / w)
+        return a, b
 
     def cost(self, rows: int) -> float:
         """
@@ -48,8 +77,8 @@ class BatchCosts:
         >>> c.observe(4, 2.0); c.observe(8, 3.0)
         >>> c.cost(6), c.cost(8)
         (2.5, 3.0)
-        >>> round(c.cost(10), 3)  # beyond: 3.0 x ratio(10) / ratio(8) = 3 x 5.5 / 4.5
-        3.667
+        >>> round(c.cost(16), 3)  # beyond: the fitted line, 1 + 0.25 x 16
+        5.0
         """
         if rows in self.seconds:
             return self.seconds[rows]
@@ -61,65 +90,94 @@ class BatchCosts:
             lo, hi = known[i - 1], known[i]
             f = (rows - lo) / (hi - lo)
             return (1 - f) * self.seconds[lo] + f * self.seconds[hi]
+        fitted = self.line()
+        if fitted is not None:
+            a, b = fitted
+            return a + b * rows
         end = known[0] if i == 0 else known[-1]
         return self.seconds[end] * self.shape.ratio(rows) / self.shape.ratio(end)
 
 
 @dataclass
 class Candidate:
-    """A sequence the budget sizes: its acceptance estimate and the most it may draft."""
+    """A sequence the budget sizes: its acceptance estimate, the most it may draft, and, when
+    its (cheap) speculator has drafted already, that draft's node count and depth."""
 
     alphas: Sequence[float]  # P(draft i+1 accepted | 1..i accepted)
     cap: int  # remaining tokens, context room and K allow at most this many drafts
+    nodes: int | None = None  # drafted nodes of the draft at hand (None: not drafted yet)
+    depth: int | None = None
+
+    def takes(self, length: int) -> tuple[int, int]:
+        """(nodes, depth) it brings at the batch's draft length."""
+        if self.nodes is None:
+            k = min(length, self.cap)
+            return k, k
+        k = min(length, self.nodes)
+        return k, min(k, self.depth if self.depth is not None else k)
 
 
 @dataclass
 class BatchBudget:
     """Chooses one draft length for the batch's greedy sequences each step (see module doc).
 
-    ``probe_every``: after that many steps without drafts, draft one token, so estimates of
-    acceptance and of the wider pass's cost can recover."""
+    Probes keep the estimates honest: after ``probe_every`` steps without drafts it drafts one
+    token; after ``4 x probe_every`` steps of drafting it drafts nothing once, so the cost of the
+    plain batched pass stays measured."""
 
     num_draft_tokens: int
     costs: BatchCosts = field(default_factory=BatchCosts)
     draft_seconds_per_token: float = 0.0
     probe_every: int = 8
     _idle: int = 0
+    _busy: int = 0
     last_rate: float = 0.0
 
     def choose(self, seqs: Sequence[Candidate], others: int = 0, floor_width: int = 1) -> int:
-        """The draft length ``L`` (each sequence drafts ``min(L, cap)``). ``others`` sequences
-        of the pass are not sized here (sampled or plain ones, with their own drafts, the
-        widest ``floor_width`` nodes): they add rows and set a floor on the pass's width.
+        """The draft length ``L`` (each sequence drafts or keeps ``min(L, its draft)``).
+        ``others`` sequences of the pass are not sized here (sampled or plain ones, with their
+        own drafts, the widest ``floor_width`` nodes): they add rows and floor the width.
 
         >>> costs = BatchCosts(CostModel(prior_slope=0.1, frozen=True))
         >>> BatchBudget(4, costs).choose([Candidate([0.9] * 4, 4)])
         4
         >>> BatchBudget(4, costs).choose([Candidate([0.05] * 4, 4)] * 16)
         0
+        >>> BatchBudget(4, costs).choose([Candidate([0.9] * 4, 4, nodes=2, depth=2)])
+        2
         """
         if not seqs:
             return 0
         n = len(seqs) + others
         floor = max(1, floor_width)
-        top = max(min(self.num_draft_tokens, s.cap) for s in seqs)
+        top = max(min(self.num_draft_tokens, s.cap if s.nodes is None else s.nodes) for s in seqs)
         best_l, best_rate = 0, -1.0
         for length in range(top + 1):
-            takes = [min(length, s.cap) for s in seqs]
-            width = max(floor, 1 + max(takes))
-            seconds = self.costs.cost(n * width) + self.draft_seconds_per_token * sum(takes)
+            takes = [s.takes(length) for s in seqs]
+            width = max(floor, 1 + max(nodes for nodes, _ in takes))
+            drafting = sum(
+                nodes for (nodes, _), s in zip(takes, seqs, strict=True) if s.nodes is None
+            )
+            seconds = self.costs.cost(n * width) + self.draft_seconds_per_token * drafting
             tokens = sum(
-                expected_tokens(list(s.alphas), k) for s, k in zip(seqs, takes, strict=True)
+                expected_tokens(list(s.alphas), depth)
+                for s, (_, depth) in zip(seqs, takes, strict=True)
             )
             rate = tokens / seconds if seconds > 0 else 0.0
             if rate > best_rate * (1 + 1e-9):
                 best_l, best_rate = length, rate
         self.last_rate = best_rate
-        if best_l == 0 and top > 0:
-            self._idle += 1
-            if self._idle >= self.probe_every:
-                self._idle = 0
-                return 1
-        else:
-            self._idle = 0
+        if best_l == 0:
+            self._busy = 0
+            if top > 0:
+                self._idle += 1
+                if self._idle >= self.probe_every:
+                    self._idle = 0
+                    return 1
+            return 0
+        self._idle = 0
+        self._busy += 1
+        if self._busy >= 4 * self.probe_every:
+            self._busy = 0
+            return 0
         return best_l

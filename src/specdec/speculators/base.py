@@ -88,7 +88,9 @@ class Speculator:
     * ``drafts_by_model``: drafting runs a model and costs real time, so a controller decides
       before asking for a draft (the others propose first and are priced on their draft);
     * ``watches``: :meth:`watch` wants every step's committed tokens (and states), including
-      steps another speculator drafted; ``watch_batches``: it may take many steps in one call.
+      steps another speculator drafted; ``watch_batches``: it may take many steps in one call;
+    * ``truncatable``: the first n nodes of a draft are a draft it stands by (the batch budget
+      may cut a draft to the batch's length); lookahead's Jacobi window is not.
     """
 
     name: ClassVar[str] = ""
@@ -98,6 +100,7 @@ class Speculator:
     drafts_by_model: ClassVar[bool] = False
     watches: ClassVar[bool] = False
     watch_batches: ClassVar[bool] = False
+    truncatable: ClassVar[bool] = True
     feature_layers: tuple[int, ...] = (-1,)
 
     def propose(self, context: DraftContext, budget: int) -> DraftTree:

@@ -184,6 +184,7 @@ class LookaheadSpeculator(Speculator):
 
     name: ClassVar[str] = "lookahead"
     drafts_trees: ClassVar[bool] = True
+    truncatable: ClassVar[bool] = False  # the Jacobi window is verified whole
 
     def __init__(self, config: LookaheadConfig | None = None) -> None:
         self.config = config or LookaheadConfig()

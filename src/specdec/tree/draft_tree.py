@@ -67,6 +67,19 @@ class DraftTree:
             draft_probs=draft_probs,
         )
 
+    def truncated(self, drafts: int) -> DraftTree:
+        """The first ``drafts`` drafted nodes with the root: a tree again, since every node's
+        parent precedes it (q rows cut alike).
+
+        >>> DraftTree(tokens=(1, 2, 3, 4), parents=(-1, 0, 0, 1)).truncated(2).parents
+        (-1, 0, 0)
+        """
+        if drafts >= self.num_drafted:
+            return self
+        n = drafts + 1
+        probs = None if self.draft_probs is None else self.draft_probs[:n]
+        return DraftTree(tokens=self.tokens[:n], parents=self.parents[:n], draft_probs=probs)
+
     # -- derived structure ---------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self.tokens)
