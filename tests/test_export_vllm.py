@@ -253,7 +253,8 @@ def test_a_draft_directory_is_vllms_draft_model(tiny_model_dir, tiny_draft_dir, 
         "model": str(tiny_draft_dir.resolve()),
         "num_speculative_tokens": 3,
     }
-    assert [line.split("=", 1)[0] for line in doc["not_carried"]] == ["min_confidence", "dtype"]
+    not_carried = [line.split("=", 1)[0] for line in doc["not_carried"]]
+    assert not_carried == ["min_confidence", "dtype", "tree"]
     assert "not a Hugging Face model directory" in refused(
         f"draft:model={tmp_path / 'missing'}", "--model", str(tiny_model_dir)
     )

@@ -10,8 +10,11 @@ Output tokens of a step = accepted drafts + one recovered token (on rejection) o
   verification: try each child x in turn, accept with probability min(1, p(x)/q(x)), otherwise
   replace p by norm(max(p - q, 0)) and try the next child; if none is accepted, sample from what
   is left of p. A deterministic draft (q = one-hot) is the special case where acceptance is p(x)
-  and a rejected token is removed from p. Children must be drafted independently from q (or be
-  deterministic and distinct) for this to be exact.
+  and a rejected token is removed from p. Each child is tested against its own q row, so this is
+  exact when children are drafted independently from q, deterministic and distinct, or drawn
+  without replacement with each child's row the renormalised q it was drawn from (the draft
+  model's trees; tests/test_draft_trees.py), provided no child's presence depends on its own
+  token.
 """
 
 from __future__ import annotations
