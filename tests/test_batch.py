@@ -293,3 +293,25 @@ def test_bad_batch_arguments_are_refused(tiny64):
         engine.generate_batch(PROMPTS[:2], temprature=0.5)
     with pytest.raises(InvalidRequestError, match="max_new_tokens"):
         engine.generate_batch(PROMPTS[:1], max_new_tokens=10_000)
+
+
+def test_batch_budget_rests_after_declining_and_probes_again():
+    """Once drafting was priced out, the budget skips asking the speculators until a probe is
+    due; a long drafting run is interrupted by one plain step that keeps T(plain) measured."""
+    from specdec.control.batch import BatchBudget, BatchCosts, Candidate
+    from specdec.control.budget import CostModel
+
+    dear = BatchCosts(CostModel(prior_slope=1.0, frozen=True))  # every row costs a full pass
+    budget = BatchBudget(4, dear, probe_every=4)
+    poor = [Candidate([0.1] * 4, 4, nodes=4, depth=4)] * 8
+    assert budget.choose(poor) == 0 and budget.resting
+    budget.rest()
+    assert budget.resting
+    budget.rest()
+    assert not budget.resting  # the next step asks again: a probe is due
+    assert budget.choose(poor) == 1
+    cheap = BatchCosts(CostModel(prior_slope=0.0, frozen=True))
+    eager = BatchBudget(4, cheap, probe_every=2)
+    good = [Candidate([0.9] * 4, 4, nodes=4, depth=4)]
+    choices = [eager.choose(good) for _ in range(8)]
+    assert choices.count(0) == 1 and choices[-1] == 0

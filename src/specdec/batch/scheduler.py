@@ -236,6 +236,7 @@ class BatchScheduler:
         sized: list[int] = []
         candidates: list[Candidate] = []
         floor = 1
+        resting = self.budget.resting
         for i, seq in enumerate(self.running):
             req = seq.req
             room = engine.context_length - len(req.tokens)
@@ -247,6 +248,8 @@ class BatchScheduler:
                 budgets[i] = req.budget.choose(req.remaining, room)
                 floor = max(floor, 1 + min(budgets[i], engine.num_draft_tokens))
                 continue
+            if resting:
+                continue  # the batch drafts nothing this step (see BatchBudget.resting)
             sized.append(i)
             spec = req.speculator
             if cap and req.arms is None and not spec.drafts_by_model and spec.truncatable:
@@ -257,7 +260,9 @@ class BatchScheduler:
             else:
                 candidates.append(Candidate(seq.tracker.alphas, cap))
         length = 0
-        if candidates:
+        if resting:
+            self.budget.rest()
+        elif candidates:
             self.budget.draft_seconds_per_token = engine.cost_model.draft_seconds_per_token
             length = self.budget.choose(candidates, n - len(sized), floor)
             for i, c in zip(sized, candidates, strict=True):

@@ -133,6 +133,16 @@ class BatchBudget:
     _busy: int = 0
     last_rate: float = 0.0
 
+    @property
+    def resting(self) -> bool:
+        """The last choice was to draft nothing and no probe is due: this step drafts nothing
+        and need not even ask its speculators (at a full batch, drafting only to throw the
+        drafts away costs a few percent of every step). Call :meth:`rest` for such a step."""
+        return 0 < self._idle < self.probe_every - 1
+
+    def rest(self) -> None:
+        self._idle += 1
+
     def choose(self, seqs: Sequence[Candidate], others: int = 0, floor_width: int = 1) -> int:
         """The draft length ``L`` (each sequence drafts or keeps ``min(L, its draft)``).
         ``others`` sequences of the pass are not sized here (sampled or plain ones, with their
