@@ -315,3 +315,19 @@ def test_batch_budget_rests_after_declining_and_probes_again():
     good = [Candidate([0.9] * 4, 4, nodes=4, depth=4)]
     choices = [eager.choose(good) for _ in range(8)]
     assert choices.count(0) == 1 and choices[-1] == 0
+
+
+def test_probes_back_off_while_drafting_stays_priced_out():
+    from specdec.control.batch import BatchBudget, BatchCosts, Candidate
+    from specdec.control.budget import CostModel
+
+    budget = BatchBudget(4, BatchCosts(CostModel(prior_slope=1.0, frozen=True)), probe_every=2)
+    poor = [Candidate([0.1] * 4, 4, nodes=4, depth=4)] * 8
+    probes = []
+    for step in range(200):
+        if budget.resting:
+            budget.rest()
+        elif budget.choose(poor) == 1:
+            probes.append(step)
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] == 16 and gaps[0] < 16

@@ -122,8 +122,9 @@ class BatchBudget:
     """Chooses one draft length for the batch's greedy sequences each step (see module doc).
 
     Probes keep the estimates honest: after ``probe_every`` steps without drafts it drafts one
-    token; after ``4 x probe_every`` steps of drafting it drafts nothing once, so the cost of the
-    plain batched pass stays measured."""
+    token (each probe that finds drafting still priced out doubles the gap, up to 8x, since at a
+    full batch a probe's wider pass is not free); after ``4 x probe_every`` steps of drafting it
+    drafts nothing once, so the cost of the plain batched pass stays measured."""
 
     num_draft_tokens: int
     costs: BatchCosts = field(default_factory=BatchCosts)
@@ -131,14 +132,19 @@ class BatchBudget:
     probe_every: int = 8
     _idle: int = 0
     _busy: int = 0
+    _gap: int = 0  # steps between probes now: doubles while probes find drafting priced out
+    _probed: bool = False
     last_rate: float = 0.0
+
+    def __post_init__(self) -> None:
+        self._gap = self.probe_every
 
     @property
     def resting(self) -> bool:
         """The last choice was to draft nothing and no probe is due: this step drafts nothing
         and need not even ask its speculators (at a full batch, drafting only to throw the
         drafts away costs a few percent of every step). Call :meth:`rest` for such a step."""
-        return 0 < self._idle < self.probe_every - 1
+        return 0 < self._idle < self._gap - 1
 
     def rest(self) -> None:
         self._idle += 1
@@ -177,14 +183,19 @@ class BatchBudget:
             if rate > best_rate * (1 + 1e-9):
                 best_l, best_rate = length, rate
         self.last_rate = best_rate
+        probed, self._probed = self._probed, False
         if best_l == 0:
             self._busy = 0
             if top > 0:
+                if probed:  # the probe's pass confirmed it: probe half as often (to 8x)
+                    self._gap = min(2 * self._gap, 8 * self.probe_every)
                 self._idle += 1
-                if self._idle >= self.probe_every:
+                if self._idle >= self._gap:
                     self._idle = 0
+                    self._probed = True
                     return 1
             return 0
+        self._gap = self.probe_every
         self._idle = 0
         self._busy += 1
         if self._busy >= 4 * self.probe_every:
