@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from specdec.errors import ConfigError
+from specdec.target import lowbit
 
 
 class PackedLinear(nn.Module):
@@ -131,6 +132,8 @@ NUMERICS: dict[str, Numerics] = {
         Numerics("fp16-weights", torch.float32, False, "fp16-stored weights, fp32 maths"),
         Numerics("bfloat16", torch.bfloat16, False, "bf16 weights and activations"),
         Numerics("float64", torch.float64, True, "fp64 (reference for exactness checks)"),
+        # low-bit weights (CPU kernels, src/specdec/target/lowbit.py; figures: docs/lowbit.md)
+        *(Numerics(s.name, torch.float32, False, s.description) for s in lowbit.SCHEMES.values()),
     )
 }
 
@@ -143,7 +146,10 @@ def get_numerics(name: str) -> Numerics:
 
 
 # modes built on CPU-only kernels (oneDNN prepacking, fbgemm); elsewhere "float32" is stock
-_CPU_ONLY = {"fp16-weights": "fbgemm's fp16-weight GEMM"}
+_CPU_ONLY = {
+    "fp16-weights": "fbgemm's fp16-weight GEMM",
+    **{name: "torch's CPU quantised-linear kernels" for name in lowbit.SCHEMES},
+}
 
 
 def resolve_device(spec: str | torch.device | None) -> torch.device:
@@ -220,6 +226,11 @@ def apply_numerics(model: nn.Module, numerics: Numerics, device: torch.device | 
     elif numerics.name == "fp16-weights":
         _swap_linears(model, Fp16WeightLinear)
         _own_tensors(model)
+    elif numerics.name in lowbit.SCHEMES:
+        lowbit.check_shapes(model, numerics.name)  # refuse before anything is swapped
+        _swap_linears(model, lowbit.SCHEMES[numerics.name].make)
+        _own_tensors(model)
+        lowbit.use_rowwise_attention(model)  # rounding activations needs a row-invariant forward
     return numerics.description
 
 

@@ -1,0 +1,440 @@
+"""Low-bit weight numerics on the CPU: ``nn.Linear`` swaps onto torch's own quantised kernels.
+
+Three kernels, three trade-offs (measured on the Qwen2.5-Coder pair: ``docs/lowbit.md``):
+
+- ``int4`` / ``int4-g128``: 4-bit weights, asymmetric, one bf16 scale and zero per group of 32
+  (128) input weights, bf16 activations (``aten._weight_int4pack_mm_for_cpu``). The fewest bytes
+  per token, but its cost grows with the row count (about 8x at 16 rows), so verifying a draft
+  costs nearly as many decode steps as it verifies.
+- ``int8``: 8-bit weights, symmetric, one bf16 scale per output channel, bf16 activations
+  (``aten._weight_int8pack_mm``); the same small-row growth as ``int4``.
+- ``int8-dynamic``: 8-bit weights per output channel *and* 8-bit activations quantised per row
+  (per token) on the fly, multiplied by oneDNN's u8s8 GEMM (AMX or VNNI where the CPU has them,
+  ``onednn.qlinear_pointwise``). Near-flat T(k): 16 rows cost about 1.15 rows. This is the
+  path that keeps small-row cost flat: the integer GEMM does the arithmetic of k rows in about
+  the time of reading the weight once.
+
+Why speculation stays lossless (greedy output token for token that of plain decoding under the
+same numerics): every kernel here computes each output row from that row alone, in the same
+order, whatever the number of rows in the call. Measured bit for bit (``tests/test_lowbit.py``):
+``int8-dynamic`` accumulates in integers, which is exact and so independent of blocking, and its
+per-row activation scale depends on that row only (a per-tensor scale would let a rejected draft
+token change the logits of the accepted ones); the ``int4``/``int8`` kernels loop over the input
+dimension the same way for every row. The rest of the model (attention, norms) runs in fp32,
+with the same tolerance to row count as the default fp32 path. The target verifies every draft
+with these same kernels, so nothing about the draft changes the output.
+
+A layer whose shape a kernel cannot take is refused before anything is swapped (no model is
+left half quantised, and none silently runs partly in fp32): ``int4`` needs in_features
+divisible by the group size and out_features by 16; ``int8`` needs in_features divisible by 16
+(torch's kernel crashes otherwise); ``int8-dynamic`` takes any shape. These are CPU kernels:
+on CUDA they are refused (:func:`specdec.target.numerics.check_numerics_device`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from specdec.errors import ConfigError
+
+INT4_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu packs 16 output channels together
+INT8_K_MULTIPLE = 16  # _weight_int8pack_mm reads 16 inputs at a time (and crashes on a rest)
+# Passes of more rows than this (a prompt's prefill, a draft's first catch-up) dequantise the
+# weight to bf16 once and run one dense matmul: the int4/int8 kernels cost ~0.4 ms per row on a
+# 1536 x 8960 projection, so a 1,000-token prompt took about a minute through them. Plain and
+# speculative decoding prefill the same prompt the same way, and verification passes (at most
+# 64 rows) never take this path, so it cannot make their outputs differ.
+DENSE_ROWS = 64
+
+
+def _bias(linear: nn.Linear) -> torch.Tensor | None:
+    # a copy: a view would keep the memory-mapped checkpoint resident (see numerics._page_out)
+    return None if linear.bias is None else linear.bias.detach().float().clone()
+
+
+def _nibbles(q: torch.Tensor) -> torch.Tensor:
+    """4-bit codes ``[N, K]`` two to a byte, low nibble first: ``[N, K/2]`` uint8."""
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
+
+
+def quantize_int4(
+    weight: torch.Tensor, group: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit codes per group of ``group`` input weights, as the int4pack kernel
+    reads them: ``w ~= (q - 8) * scale + zero`` with ``q`` in 0..15 and scale, zero in bf16.
+    Codes are chosen against the bf16-rounded scale and zero, so the only rounding is the
+    code's. Returns ``q [N, K] int32``, ``scale [N, K/G]``, ``zero [N, K/G]`` (bf16).
+
+    >>> q, s, z = quantize_int4(torch.tensor([[-1.0, 2.0, 8.0, 14.0]]), 4)
+    >>> q.tolist(), s.item(), z.item()  # a range of 15 gives scale 1; code 8 stands for 7.0
+    ([[0, 3, 9, 15]], 1.0, 7.0)
+    """
+    n, k = weight.shape
+    wg = weight.float().reshape(n, k // group, group)  # [N, K/G, G]
+    lo = wg.amin(-1)
+    hi = wg.amax(-1)
+    scale = ((hi - lo) / 15).clamp_min(1e-10).to(torch.bfloat16)  # [N, K/G]
+    zero = (lo + 8 * scale.float()).to(torch.bfloat16)  # the value code 8 stands for
+    q = torch.round((wg - zero.float()[..., None]) / scale.float()[..., None]) + 8
+    return q.clamp_(0, 15).to(torch.int32).reshape(n, k), scale, zero
+
+
+Q4_K_BLOCK_BYTES = 144  # a 256-weight super-block: fp16 d and dmin, 12 B of scales, 128 of codes
+
+
+def q4k_to_int4(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A GGUF Q4_K tensor's own codes in the int4pack group layout, without re-quantising.
+
+    Q4_K stores 256-weight super-blocks of eight 32-weight sub-blocks, each an affine map of
+    4-bit codes: ``w = d * sc * q - dmin * m`` (``d``, ``dmin`` fp16 per super-block, ``sc``,
+    ``m`` 6-bit per sub-block). That is the int4 kernel's ``w = (q - 8) * scale + zero`` with
+    group 32, ``scale = d * sc`` and ``zero = 8 * d * sc - dmin * m``: the same codes, and in
+    fp32 the same weights (``d * sc`` needs 17 significant bits, fp32 has 24). The kernel's fast
+    path reads scales and zeros in bf16 (8 bits; its fp32 path is a ~60x slower reference), so
+    there they are rounded: a relative error up to 2^-9 of each group's scale, not a second
+    rounding of the codes. ``blocks``: the tensor's bytes as ``[N, K / 256 * 144]`` uint8.
+    Returns ``q [N, K] int32``, ``scale [N, K/32]``, ``zero [N, K/32]`` (fp32).
+    """
+    from gguf.quants import Q4_K  # the gguf package's own unpacking of the 6-bit scales
+
+    n = blocks.shape[0]
+    b = np.ascontiguousarray(blocks).reshape(-1, Q4_K_BLOCK_BYTES)  # [B, 144]
+    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)  # [B, 1]
+    dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, m = Q4_K.get_scale_min(b[:, 4:16])  # [B, 8] each, 0..63
+    qs = b[:, 16:].reshape(-1, 4, 1, 32)  # 4 chunks of 32 bytes: 64 weights each
+    codes = (qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F  # [B, 4, 2, 32]
+    scale = d * sc.astype(np.float32)  # [B, 8]
+    zero = 8 * scale - dmin * m.astype(np.float32)
+    q = torch.from_numpy(codes.reshape(n, -1).astype(np.int32))  # [N, K]
+    return q, torch.from_numpy(scale.reshape(n, -1)), torch.from_numpy(zero.reshape(n, -1))
+
+
+class Int4WeightLinear(nn.Module):
+    """4-bit weights, group-wise bf16 scale and zero, bf16 activations; output back in fp32."""
+
+    def __init__(self, linear: nn.Linear, group: int = 32) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.group = group
+        q, scale, zero = quantize_int4(linear.weight.detach(), group)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)  # [N, K/2] u8
+        self.scales_and_zeros = torch.stack([scale.t(), zero.t()], -1).contiguous()  # [K/G, N, 2]
+        self.nibbles = _nibbles(q)  # the same codes, plainly packed, for the dense path
+        self.bias = _bias(linear)
+
+    @classmethod
+    def from_codes(
+        cls,
+        linear: nn.Linear,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        zero: torch.Tensor,
+        group: int,
+    ) -> Int4WeightLinear:
+        """A layer from given codes (``q [N, K]`` in 0..15) and per-group ``scale``/``zero``
+        (``[N, K/G]``, rounded to bf16 here), e.g. a GGUF file's own Q4_K codes."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.group = group
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        sz = torch.stack([scale.to(torch.bfloat16).t(), zero.to(torch.bfloat16).t()], -1)
+        self.scales_and_zeros = sz.contiguous()
+        self.nibbles = _nibbles(q.to(torch.int32))
+        self.bias = _bias(linear)
+        return self
+
+    def dense_bf16(self) -> torch.Tensor:
+        """The weight the kernel multiplies by, ``[N, K]`` in bf16 (for long passes)."""
+        n, k = self.out_features, self.in_features
+        lo, hi = self.nibbles & 15, self.nibbles >> 4  # [N, K/2] each
+        q = torch.stack([lo, hi], -1).reshape(n, k // self.group, self.group).float()
+        s, z = self.scales_and_zeros.float().unbind(-1)  # [K/G, N] each
+        return ((q - 8) * s.t()[..., None] + z.t()[..., None]).reshape(n, k).to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _bf16_rows(
+            x,
+            self.out_features,
+            self.bias,
+            lambda x2: torch.nn.functional.linear(x2, self.dense_bf16()),
+            lambda x2: torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x2, self.packed, self.group, self.scales_and_zeros
+            ),
+        )
+
+    def weight_bytes(self) -> int:
+        """What a decoding step reads (the nibble copy serves long prefill passes only)."""
+        return _nbytes(self.packed, self.scales_and_zeros, self.bias)
+
+
+def _bf16_rows(
+    x: torch.Tensor,
+    out_features: int,
+    bias: torch.Tensor | None,
+    dense: Callable[[torch.Tensor], torch.Tensor],
+    kernel: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """A weight-only linear on bf16 rows: the low-bit ``kernel`` for up to ``DENSE_ROWS`` rows
+    (decoding, verification), one ``dense`` bf16 matmul above (long prefill passes)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
+    y = (dense(x2) if x2.shape[0] > DENSE_ROWS else kernel(x2)).float()
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*shape[:-1], out_features)
+
+
+class Int8WeightLinear(nn.Module):
+    """8-bit weights, symmetric, one bf16 scale per output channel; bf16 activations."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        w = linear.weight.detach().float()  # [N, K]
+        scale = (w.abs().amax(1) / 127).clamp_min(1e-10).to(torch.bfloat16)  # [N]
+        self.qweight = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+        self.scale = scale
+        self.bias = _bias(linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _bf16_rows(
+            x,
+            self.out_features,
+            self.bias,
+            lambda x2: torch.nn.functional.linear(
+                x2,
+                self.qweight.to(torch.bfloat16) * self.scale[:, None],  # [N, K]
+            ),
+            lambda x2: torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scale),
+        )
+
+    def weight_bytes(self) -> int:
+        return _nbytes(self.qweight, self.scale, self.bias)
+
+
+class DynamicInt8Linear(nn.Module):
+    """8-bit weights per output channel, activations quantised to 8 bits per row on the fly,
+    integer GEMM through oneDNN (u8s8, AMX/VNNI), rescaled to fp32.
+
+    Row ``i`` of the output depends on row ``i`` of the input alone, bit for bit: its
+    activation scale is its own absolute maximum / 127 and the GEMM accumulates exactly in
+    int32. So one row and the same row among k others give identical results, which keeps
+    greedy speculation token-identical to plain decoding under these numerics."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        w = linear.weight.detach().float()  # [N, K]
+        self.scale = (w.abs().amax(1) / 127).clamp_min(1e-10)  # [N] fp32
+        qweight = torch.round(w / self.scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        self.packed = torch.ops.onednn.qlinear_prepack(qweight, None)
+        self.zero_points = torch.zeros(self.out_features, dtype=torch.int64)
+        self.bias = _bias(linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).float()  # [T, K]
+        row_scale = x2.abs().amax(-1, keepdim=True).clamp_min_(1e-30).div_(127)  # [T, 1]
+        # |x / row_scale| <= 127 by construction; +128 makes the unsigned code oneDNN reads
+        xq = torch.round(x2 / row_scale).add_(128).to(torch.uint8)
+        y = torch.ops.onednn.qlinear_pointwise(
+            xq,
+            1.0,
+            128,
+            self.packed,
+            self.scale,
+            self.zero_points,
+            None,
+            1.0,
+            0,
+            torch.float32,
+            "none",
+            [],
+            "",
+        )  # [T, N]: exact integer dot products times the weight scales
+        y = y.mul_(row_scale)
+        if self.bias is not None:
+            y = y.add_(self.bias)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def weight_bytes(self) -> int:
+        return self.out_features * self.in_features + _nbytes(self.scale, self.bias)
+
+
+ROWWISE_ATTENTION = "specdec_rowwise_sdpa"
+ROWWISE_MAX_ROWS = 64  # larger passes are a prompt's prefill, the same in plain and speculative
+
+
+def rowwise_sdpa_attention(
+    module: nn.Module,
+    query: torch.Tensor,  # [B, heads, T, head_dim]
+    key: torch.Tensor,  # [B, kv_heads, T_kv, head_dim]
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,  # [B or 1, 1, T, T_kv] bool (or additive), or None
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """Attention that computes each query row alone, over exactly the keys it may see, copied
+    contiguous and in cache order: so a row among the k rows of a verification pass gets the
+    same bits as the one-row pass of plain decoding at that position. With the low-bit linears
+    (row-invariant too) the whole forward is then row-invariant, which quantised activations
+    need: they round, and a 1e-7 difference from another blocking of a batched attention
+    (what fp32 tolerates) can move a value across a rounding boundary, change the logits by
+    ~1e-2 and flip a near-tied argmax, so that speculative output would leave plain output.
+    Each row is two small matmuls and a softmax (cheaper here than a fused SDPA call per row);
+    passes of more than ``ROWWISE_MAX_ROWS`` rows (prefill) use one batched SDPA call."""
+    from specdec.target.attention import gqa_sdpa_attention
+
+    b, heads, t, _ = query.shape
+    if t > ROWWISE_MAX_ROWS:
+        return gqa_sdpa_attention(
+            module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
+        )
+    kv_heads, n_keys, dim = key.shape[1], key.shape[2], key.shape[3]
+    group = heads // kv_heads
+    scale = scaling if scaling is not None else dim**-0.5
+    allowed = attention_mask
+    if allowed is not None and allowed.dtype != torch.bool:
+        allowed = allowed > torch.finfo(allowed.dtype).min / 2
+    out = query.new_empty(b, t, heads, value.shape[-1])  # [B, T, heads, head_dim]
+    for bi in range(b):
+        q_b = query[bi].reshape(kv_heads, group, t, dim)  # query heads grouped by their kv head
+        for i in range(t):
+            row = None if allowed is None else allowed[min(bi, allowed.shape[0] - 1), 0, i]
+            n = n_keys - t + i + 1  # causal: the queries are the last t positions
+            if row is not None:
+                n = int(row.sum())
+                if not bool(row[:n].all()):  # not a prefix (a tree, a window): gather
+                    idx = row.nonzero().squeeze(1)
+                    k_i, v_i = key[bi].index_select(1, idx), value[bi].index_select(1, idx)
+                else:
+                    k_i, v_i = key[bi, :, :n], value[bi, :, :n]
+            else:
+                k_i, v_i = key[bi, :, :n], value[bi, :, :n]  # [kv_heads, n, head_dim]
+            scores = torch.bmm(q_b[:, :, i], k_i.transpose(1, 2)).mul_(scale)  # [kvh, g, n]
+            o = torch.bmm(torch.softmax(scores, -1), v_i)  # [kv_heads, group, head_dim]
+            out[bi, i] = o.reshape(heads, -1)
+    return out, None
+
+
+def register_rowwise_attention() -> str:
+    """Register :func:`rowwise_sdpa_attention` (idempotent); returns its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ROWWISE_ATTENTION, rowwise_sdpa_attention)
+    AttentionMaskInterface.register(ROWWISE_ATTENTION, sdpa_mask)
+    return ROWWISE_ATTENTION
+
+
+def use_rowwise_attention(model: nn.Module) -> None:
+    """Switch a transformers model to :func:`rowwise_sdpa_attention` (public API:
+    ``set_attn_implementation``; no model code is patched)."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        raise ConfigError(
+            "low-bit numerics need a transformers model: they switch its attention to the "
+            "row-wise form that keeps speculation identical to plain decoding"
+        )
+    model.set_attn_implementation(register_rowwise_attention())
+
+
+def _nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+@dataclass(frozen=True)
+class LowBitScheme:
+    """One ``--dtype`` choice: how to build a swapped linear, and which shapes it takes."""
+
+    name: str
+    description: str
+    make: Callable[[nn.Linear], nn.Module]
+    k_multiple: int = 1  # in_features must be a multiple of this
+    n_multiple: int = 1  # out_features must be a multiple of this
+    hint: str = ""  # what to use instead when a shape is refused
+
+    def shape_error(self, where: str, linear: nn.Linear) -> str | None:
+        n, k = linear.out_features, linear.in_features
+        if k % self.k_multiple or n % self.n_multiple:
+            return (
+                f"dtype {self.name!r} cannot quantise {where} ([out={n}, in={k}]): it needs "
+                f"in_features divisible by {self.k_multiple} and out_features by "
+                f"{self.n_multiple}; nothing was quantised. {self.hint}"
+            )
+        return None
+
+
+SCHEMES: dict[str, LowBitScheme] = {
+    s.name: s
+    for s in (
+        LowBitScheme(
+            "int8-dynamic",
+            "int8 weights per channel + int8 activations per token, oneDNN integer GEMM",
+            DynamicInt8Linear,
+        ),
+        LowBitScheme(
+            "int8",
+            "int8 weight-only, per-channel scales, bf16 activations (int8pack)",
+            Int8WeightLinear,
+            k_multiple=INT8_K_MULTIPLE,
+            hint="Use int8-dynamic, which takes any shape.",
+        ),
+        LowBitScheme(
+            "int4",
+            "int4 weight-only, group 32, bf16 scales/zeros and activations (int4pack)",
+            lambda linear: Int4WeightLinear(linear, 32),
+            k_multiple=32,
+            n_multiple=INT4_N_MULTIPLE,
+            hint="Use int8 or int8-dynamic.",
+        ),
+        LowBitScheme(
+            "int4-g128",
+            "int4 weight-only, group 128, bf16 scales/zeros and activations (int4pack)",
+            lambda linear: Int4WeightLinear(linear, 128),
+            k_multiple=128,
+            n_multiple=INT4_N_MULTIPLE,
+            hint="Use int4 (group 32), int8 or int8-dynamic.",
+        ),
+    )
+}
+
+
+def check_shapes(model: nn.Module, name: str) -> None:
+    """Refuse, before anything is swapped, a model with a linear the scheme cannot take."""
+    scheme = SCHEMES[name]
+    for where, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            error = scheme.shape_error(where, module)
+            if error:
+                raise ConfigError(error)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every linear layer's weights (packed, with scales and biases) in ``model``:
+    what one decoding step reads besides one embedding row."""
+    from specdec.target.numerics import Fp16WeightLinear, PackedLinear
+
+    total = 0
+    for module in model.modules():
+        if isinstance(module, (Int4WeightLinear, Int8WeightLinear, DynamicInt8Linear)):
+            total += module.weight_bytes()
+        elif isinstance(module, nn.Linear):
+            total += _nbytes(module.weight, module.bias)
+        elif isinstance(module, (PackedLinear, Fp16WeightLinear)):
+            per_weight = 4 if isinstance(module, PackedLinear) else 2
+            total += module.out_features * module.in_features * per_weight
+    return total
