@@ -324,10 +324,10 @@ def test_probes_back_off_while_drafting_stays_priced_out():
     budget = BatchBudget(4, BatchCosts(CostModel(prior_slope=1.0, frozen=True)), probe_every=2)
     poor = [Candidate([0.1] * 4, 4, nodes=4, depth=4)] * 8
     probes = []
-    for step in range(200):
+    for step in range(600):
         if budget.resting:
             budget.rest()
         elif budget.choose(poor) == 1:
             probes.append(step)
     gaps = [b - a for a, b in zip(probes, probes[1:])]
-    assert gaps == sorted(gaps) and gaps[-1] == 16 and gaps[0] < 16
+    assert gaps == sorted(gaps) and gaps[-1] == 64 and gaps[0] < 16

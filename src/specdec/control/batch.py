@@ -122,8 +122,8 @@ class BatchBudget:
     """Chooses one draft length for the batch's greedy sequences each step (see module doc).
 
     Probes keep the estimates honest: after ``probe_every`` steps without drafts it drafts one
-    token (each probe that finds drafting still priced out doubles the gap, up to 8x, since at a
-    full batch a probe's wider pass is not free); after ``4 x probe_every`` steps of drafting it
+    token (each probe that finds drafting still priced out doubles the gap, up to 32x: at a full
+    batch a probe's wider pass costs up to a whole extra pass, so at most ~0.4% of the time); after ``4 x probe_every`` steps of drafting it
     drafts nothing once, so the cost of the plain batched pass stays measured."""
 
     num_draft_tokens: int
@@ -187,8 +187,8 @@ class BatchBudget:
         if best_l == 0:
             self._busy = 0
             if top > 0:
-                if probed:  # the probe's pass confirmed it: probe half as often (to 8x)
-                    self._gap = min(2 * self._gap, 8 * self.probe_every)
+                if probed:  # the probe's pass confirmed it: probe half as often (to 32x)
+                    self._gap = min(2 * self._gap, 32 * self.probe_every)
                 self._idle += 1
                 if self._idle >= self._gap:
                     self._idle = 0
