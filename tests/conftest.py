@@ -173,6 +173,15 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir:
     return build_tiny_model(tmp_path_factory.mktemp("tiny_target"), tiny_tokenizer_dir, seed=0)
 
 
+@pytest.fixture(scope="module")
+def tiny64(tiny_model_dir: Path):
+    """The tiny target in float64, where a k-token pass and k single passes agree to ~1e-15,
+    so greedy outputs compare for exact equality."""
+    from specdec.target import load_model
+
+    return load_model(tiny_model_dir, dtype="float64")
+
+
 @pytest.fixture(scope="session")
 def tiny_draft_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path) -> Path:
     """A second, smaller model with the target's vocabulary (different random weights)."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,21 +22,10 @@ from specdec.errors import ConfigError, InvalidRequestError
 from specdec.grammar import Grammar
 from specdec.target import ModelRunner, load_model
 from specdec.tree import DraftTree
+from tests.test_equivalence_tiny import PROMPTS as EQUIVALENCE_PROMPTS
 from tests.test_losslessness import ResampleFromPRule
 
-PROMPTS = [
-    "ROMEO: But soft, what light",
-    "First Citizen:\nBefore we proceed any further, hear me speak. Speak, speak. Before we",
-    "the the the the the the the",
-    "KING RICHARD III: Now is the winter of our discontent made glorious summer by",
-    "To be, or not to be, that is the question: whether 'tis nobler in the mind",
-    "a",
-]
-
-
-@pytest.fixture(scope="module")
-def tiny64(tiny_model_dir: Path):
-    return load_model(tiny_model_dir, dtype="float64")
+PROMPTS = [*EQUIVALENCE_PROMPTS, "a"]  # and a one-token prompt (nothing to prefill)
 
 
 def _random_tree(rng: random.Random, root: int, vocab: int) -> DraftTree:
@@ -329,5 +317,5 @@ def test_probes_back_off_while_drafting_stays_priced_out():
             budget.rest()
         elif budget.choose(poor) == 1:
             probes.append(step)
-    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
     assert gaps == sorted(gaps) and gaps[-1] == 64 and gaps[0] < 16

@@ -11,7 +11,6 @@ test_losslessness), statistics recording the choices, bad configurations rejecte
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,7 +27,6 @@ from specdec.control.calibration import (
 from specdec.control.controller import ArmSpec, Choice, Controller, ControllerConfig
 from specdec.errors import CheckpointError, ConfigError, UnknownSpeculatorError
 from specdec.speculators import PromptLookupSpeculator, Speculator
-from specdec.target import load_model
 from specdec.testing import MarkovSpeculator, MarkovTarget, ScriptedSpeculator, word_tokenizer
 from specdec.tree import DraftTree
 
@@ -328,11 +326,6 @@ def test_cost_model_uses_calibrated_ratios_and_refines_online():
     frozen = costs.frozen_prior()
     frozen.observe(1, 5.0)
     assert frozen.cost(8) == pytest.approx(1.3) and frozen.cost(8, tree=True) == 1.6
-
-
-@pytest.fixture(scope="module")
-def tiny64(tiny_model_dir: Path):
-    return load_model(tiny_model_dir, dtype="float64")
 
 
 def test_calibration_measures_saves_and_primes_the_engine(tiny64, tmp_path, monkeypatch):

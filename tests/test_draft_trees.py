@@ -10,7 +10,6 @@ from collections import Counter
 
 import pytest
 import torch
-from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdec import GenerationConfig, SamplingConfig, SpeculativeEngine
@@ -21,6 +20,7 @@ from specdec.speculators.spec import parse_spec
 from specdec.target import HFTarget, LoadedModel, ModelRunner, load_model
 from specdec.testing import word_tokenizer
 from specdec.verify import probs_from_logits
+from tests.test_losslessness import chi_square_pvalue
 
 # -- spec ------------------------------------------------------------------------------------
 
@@ -210,25 +210,7 @@ def _sample_joint(engine: SpeculativeEngine, prompt: list[int]) -> Counter:
 
 
 def _pvalue(counts: Counter, joint: dict[tuple[int, ...], float]) -> float:
-    assert sum(counts.values()) == SAMPLES
-    if any(joint.get(seq, 0.0) == 0.0 for seq in counts):
-        return 0.0  # a sequence the target can never produce
-    observed, expected, pool_o, pool_e = [], [], 0, 0.0
-    for seq, prob in joint.items():
-        if prob == 0.0:
-            continue
-        e = prob * SAMPLES
-        if e < 5:
-            pool_o += counts.get(seq, 0)
-            pool_e += e
-        else:
-            observed.append(counts.get(seq, 0))
-            expected.append(e)
-    if pool_e > 0:
-        observed.append(pool_o)
-        expected.append(pool_e)
-    total = sum(expected)
-    return float(chisquare(observed, [e * SAMPLES / total for e in expected]).pvalue)
+    return chi_square_pvalue(counts, joint, SAMPLES)
 
 
 class _IndependentRows(DraftModelSpeculator):

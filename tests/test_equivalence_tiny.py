@@ -8,13 +8,10 @@ flip; the comparison is therefore exact equality of token ids.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from specdec import SpeculativeEngine
-from specdec.target import load_model
 
 PROMPTS = [
     "ROMEO: But soft, what light",
@@ -23,11 +20,6 @@ PROMPTS = [
     "KING RICHARD III: Now is the winter of our discontent made glorious summer by",
     "To be, or not to be, that is the question: whether 'tis nobler in the mind",
 ]
-
-
-@pytest.fixture(scope="module")
-def tiny64(tiny_model_dir: Path):
-    return load_model(tiny_model_dir, dtype="float64")
 
 
 def hf_greedy(loaded, prompt_ids: list[int], n: int) -> list[int]:

@@ -13,7 +13,6 @@ import itertools
 import json
 import re
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +24,6 @@ from specdec.errors import InvalidRequestError  # noqa: E402
 from specdec.grammar import Grammar, GrammarCompiler, GrammarConstraint  # noqa: E402
 from specdec.grammar.constraint import ConstrainedTree, bitmask_to_bool  # noqa: E402
 from specdec.logprobs import token_logprobs  # noqa: E402
-from specdec.target import load_model  # noqa: E402
 from specdec.testing import MarkovSpeculator, MarkovTarget  # noqa: E402
 from specdec.tree import DraftTree  # noqa: E402
 from specdec.verify import probs_from_logits  # noqa: E402
@@ -118,11 +116,6 @@ def test_ignore_eos_with_a_grammar_is_refused():
 
 
 # -- greedy: constrained speculation == constrained plain decoding --------------------------------
-@pytest.fixture(scope="module")
-def tiny64(tiny_model_dir: Path):
-    return load_model(tiny_model_dir, dtype="float64")
-
-
 SCHEMA = {
     "type": "object",
     "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},

@@ -8,8 +8,6 @@ agree to ~1e-15, so the comparison is exact equality of token ids.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -23,7 +21,6 @@ from specdec.speculators.lookahead import (
     build_lookahead_tree,
     jacobi_update,
 )
-from specdec.target import load_model
 from tests.test_losslessness import ALPHA, lossless_pvalue, make_engine
 
 
@@ -94,11 +91,6 @@ def test_config_parsing_and_bad_values():
     for bad in bad_specs:
         with pytest.raises(ConfigError):
             parse_spec(bad)
-
-
-@pytest.fixture(scope="module")
-def tiny64(tiny_model_dir: Path):
-    return load_model(tiny_model_dir, dtype="float64")
 
 
 @pytest.mark.parametrize(

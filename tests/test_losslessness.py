@@ -60,8 +60,11 @@ def sample_joint(engine: SpeculativeEngine, start: int) -> Counter:
     return counts
 
 
-def chi_square_pvalue(counts: Counter, joint: dict[tuple[int, ...], float]) -> float:
-    assert sum(counts.values()) == SAMPLES
+def chi_square_pvalue(
+    counts: Counter, joint: dict[tuple[int, ...], float], samples: int = SAMPLES
+) -> float:
+    """Chi-square of sampled sequences against their exact law (cells under 5 pooled)."""
+    assert sum(counts.values()) == samples
     impossible = sum(c for seq, c in counts.items() if joint.get(seq, 0.0) == 0.0)
     if impossible:
         return 0.0  # a sequence the target can never produce
@@ -69,7 +72,7 @@ def chi_square_pvalue(counts: Counter, joint: dict[tuple[int, ...], float]) -> f
     for seq, prob in joint.items():
         if prob == 0.0:
             continue
-        e = prob * SAMPLES
+        e = prob * samples
         if e < 5:
             pool_o += counts.get(seq, 0)
             pool_e += e
@@ -80,7 +83,7 @@ def chi_square_pvalue(counts: Counter, joint: dict[tuple[int, ...], float]) -> f
         observed.append(pool_o)
         expected.append(pool_e)
     total = sum(expected)
-    expected = [e * SAMPLES / total for e in expected]
+    expected = [e * samples / total for e in expected]
     return float(chisquare(observed, expected).pvalue)
 
 

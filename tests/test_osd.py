@@ -20,7 +20,7 @@ from specdec.heads.medusa import MedusaConfig, MedusaHeads, load_medusa
 from specdec.speculators import options_for, parse_spec
 from specdec.speculators.medusa import best_sized_topology, head_accuracy
 from specdec.speculators.osd import OnlineConfig, OnlineMedusaSpeculator, OnlineTrainer
-from specdec.target import HFTarget, load_model
+from specdec.target import HFTarget
 from specdec.tree.topology import expected_accepted, generic_profile, load_topology
 
 PROMPTS = [
@@ -28,11 +28,6 @@ PROMPTS = [
     "the the the the the the the",
     "KING RICHARD III: Now is the winter of our discontent made glorious summer by",
 ]
-
-
-@pytest.fixture(scope="module")
-def tiny64(tiny_model_dir: Path):
-    return load_model(tiny_model_dir, dtype="float64")
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import doctest
 import random
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +18,6 @@ from specdec.speculators import options_for, suffix, suffix_index
 from specdec.speculators.base import DraftContext, build_speculator
 from specdec.speculators.suffix import SuffixCache, SuffixSpeculator
 from specdec.speculators.suffix_index import SuffixIndex, expand_tree
-from specdec.target import load_model
 
 
 def ctx(tokens: list[int]) -> DraftContext:
@@ -285,11 +283,6 @@ def test_threads_can_share_one_cache():
 
 
 # -- engine level --------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny64(tiny_model_dir: Path):
-    return load_model(tiny_model_dir, dtype="float64")
-
-
 PROMPTS = [
     "ROMEO: But soft, what light",
     "First Citizen:\nBefore we proceed any further, hear me speak. Speak, speak. Before we",
