@@ -7,6 +7,7 @@ value fails when the request is built, before any model work, with an error nami
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specdec.errors import InvalidRequestError
@@ -56,6 +57,30 @@ class GenerationConfig:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: Sequence[str] | str = (),
+        ignore_eos: bool = False,
+    ) -> GenerationConfig:
+        """From the flat keyword arguments of ``generate``/``stream``/``generate_batch``.
+
+        >>> GenerationConfig.of(stop="END", temperature=0.5).sampling.temperature
+        0.5
+        """
+        return cls(
+            max_new_tokens=max_new_tokens,
+            stop=tuple([stop] if isinstance(stop, str) else stop),
+            ignore_eos=ignore_eos,
+            sampling=SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed),
+        )
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):

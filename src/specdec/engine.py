@@ -11,12 +11,12 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from specdec.config import GenerationConfig, SamplingConfig
+from specdec.config import GenerationConfig
 from specdec.control import AdaptiveBudget, CostModel, FixedBudget, NodeBudget
 from specdec.control.arms import ArmController, AutoOptions, build_arm_controller
 from specdec.control.calibration import load_cost_calibration
 from specdec.errors import ConfigError, InvalidRequestError
-from specdec.events import GenerationResult, TokenEvent
+from specdec.events import GenerationResult, ResultBuilder, TokenEvent
 from specdec.grammar import Grammar, GrammarCompiler, GrammarConstraint
 from specdec.grammar.constraint import ConstrainedTree
 from specdec.logprobs import TokenLogprob, token_logprobs
@@ -251,11 +251,14 @@ class SpeculativeEngine:
         (and the ``top_logprobs`` most likely alternatives) to the events.
         Arguments are validated before the first token, so a bad request fails fast.
         """
-        config = GenerationConfig(
+        config = GenerationConfig.of(
             max_new_tokens=max_new_tokens,
-            stop=tuple([stop] if isinstance(stop, str) else stop),
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop=stop,
             ignore_eos=ignore_eos,
-            sampling=SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed),
         )
         prompt_ids = self.encode(prompt, chat)
         return self.stream_ids(
@@ -385,9 +388,14 @@ class SpeculativeEngine:
         try:
             yield from self._loop(req)
         finally:
-            if speculate:
-                for s in self.speculators:
-                    s.end_request(list(req.tokens), req.prompt_len)
+            self.end_request(req)
+
+    def end_request(self, req: _Request) -> None:
+        """The request is over (finished, stopped or abandoned): its speculators learn from
+        it (the suffix cache, online distillation)."""
+        if not req.plain:
+            for s in req.arms.speculators if req.arms else (req.speculator,):
+                s.end_request(list(req.tokens), req.prompt_len)
 
     def _loop(self, req: _Request) -> Iterator[TokenEvent]:
         emitter = Emitter(self, req)
@@ -543,24 +551,10 @@ class SpeculativeEngine:
 
     def generate(self, prompt: Prompt, **kwargs: Any) -> GenerationResult:
         """Run :meth:`stream` to the end; same keyword arguments."""
-        speculate = kwargs.get("speculate", True)
-        token_ids: list[int] = []
-        parts: list[str] = []
-        finish = "length"
-        stats = RequestStats()
-        logprobs: list[TokenLogprob] | None = [] if kwargs.get("logprobs") else None
-        eos: int | None = None
+        builder = ResultBuilder(bool(kwargs.get("logprobs")))
         for event in self.stream(prompt, **kwargs):
-            eos = event.eos_token_id if event.eos_token_id is not None else eos
-            token_ids.extend(event.token_ids)
-            parts.append(event.text)
-            if logprobs is not None and event.logprobs is not None:
-                logprobs.extend(event.logprobs)
-            stats = event.stats
-            if event.finish_reason:
-                finish = event.finish_reason
-        method = self.method if speculate else "none"
-        return GenerationResult("".join(parts), token_ids, finish, method, stats, logprobs, eos)
+            builder.add(event)
+        return builder.result(self.method if kwargs.get("speculate", True) else "none")
 
 
 class Emitter:

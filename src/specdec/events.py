@@ -60,3 +60,33 @@ class GenerationResult:
                 }
             ),
         }
+
+
+class ResultBuilder:
+    """Collects one request's events into its :class:`GenerationResult` (``generate`` and
+    the batch's ``generate_batch`` both do)."""
+
+    def __init__(self, logprobs: bool = False) -> None:
+        self.token_ids: list[int] = []
+        self.parts: list[str] = []
+        self.logprobs: list[TokenLogprob] | None = [] if logprobs else None
+        self.finish = "length"
+        self.stats = RequestStats()
+        self.eos: int | None = None
+
+    def add(self, event: TokenEvent) -> None:
+        self.token_ids.extend(event.token_ids)
+        self.parts.append(event.text)
+        if self.logprobs is not None and event.logprobs is not None:
+            self.logprobs.extend(event.logprobs)
+        self.stats = event.stats
+        if event.finish_reason:
+            self.finish = event.finish_reason
+        if event.eos_token_id is not None:
+            self.eos = event.eos_token_id
+
+    def result(self, method: str) -> GenerationResult:
+        text = "".join(self.parts)
+        return GenerationResult(
+            text, self.token_ids, self.finish, method, self.stats, self.logprobs, self.eos
+        )

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 import torch
 from transformers import PretrainedConfig
-from transformers.cache_utils import Cache, DummyLayer, DynamicLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer, DynamicLayer
 
 from specdec.cache.layout import EMPTY, AttentionLayout
 
@@ -63,6 +63,7 @@ class SlotLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.fit()
+        assert self.keys is not None and self.values is not None
         lo, hi = self._owner.rows
         at = self._owner.write_at
         end = at + key_states.shape[-2]
@@ -95,8 +96,8 @@ class SlotLayer(DynamicLayer):
 
 
 class _HFSlotCache(Cache):
-    def __init__(self, layers: list[DynamicLayer | DummyLayer]) -> None:
-        Cache.__init__(self, layers=layers)
+    def __init__(self, layers: list[CacheLayerMixin | DummyLayer]) -> None:
+        Cache.__init__(self, layers=list(layers))
 
 
 class SlotCache:
@@ -154,6 +155,7 @@ class SlotCache:
                 continue
             if not layer.is_initialized:
                 layer.lazy_initialization(k[None], v[None])
+            assert layer.keys is not None and layer.values is not None
             layer.keys[row, :, :length] = k
             layer.values[row, :, :length] = v
         self.lengths.append(length)
@@ -178,20 +180,22 @@ class SlotCache:
         its committed entries."""
         n = len(paths)
         width = max(len(p) for p in paths)
-        src = torch.empty(n, width, dtype=torch.long)
-        dst = torch.empty(n, width, dtype=torch.long)
+        src_rows: list[list[int]] = []
+        dst_rows: list[list[int]] = []
         moves = False
         for r, path in enumerate(paths):
             start = self.lengths[r]
             row_src = [write_at + p for p in path]
             row_dst = list(range(start, start + len(path)))
             moves = moves or row_src != row_dst
-            pad = width - len(path)  # re-copy the last entry onto itself: a no-op move
-            src[r] = torch.tensor(row_src + [row_src[-1]] * pad)
-            dst[r] = torch.tensor(row_dst + [row_src[-1]] * pad)
+            pad = [row_src[-1]] * (width - len(path))  # the last entry onto itself: no move
+            src_rows.append(row_src + pad)
+            dst_rows.append(row_dst + pad)
             self.lengths[r] = start + len(path)
         if not moves:
             return
+        src = torch.tensor(src_rows, dtype=torch.long)  # [n, width]
+        dst = torch.tensor(dst_rows, dtype=torch.long)
         for layer in self._layers():
             if layer.keys is None or layer.values is None:
                 continue

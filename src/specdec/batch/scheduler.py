@@ -26,15 +26,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specdec.batch.target import DEFAULT_CHUNK, BatchTarget, Prefill
-from specdec.config import GenerationConfig, SamplingConfig
+from specdec.config import GenerationConfig
 from specdec.control.batch import BatchBudget, BatchCosts, Candidate
 from specdec.control.budget import AdaptiveBudget
 from specdec.engine import Emitter, SpeculativeEngine, _Proposal, _Request
 from specdec.errors import ConfigError, InvalidRequestError
-from specdec.events import GenerationResult, TokenEvent
+from specdec.events import GenerationResult, ResultBuilder, TokenEvent
 from specdec.grammar import Grammar
-from specdec.logprobs import TokenLogprob
-from specdec.metrics import RequestStats
 from specdec.request import Prompt
 from specdec.target import HFTarget
 from specdec.tree import DraftTree
@@ -56,8 +54,6 @@ class BatchSequence:
     cancelled: bool = False
     finished: bool = False
     finish_reason: str | None = None
-    eos_token_id: int | None = None
-    tokens_out: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -176,13 +172,7 @@ class BatchScheduler:
             if row < len(self.running):
                 self.running[row] = last
             seq.finished = True
-            self._end(seq)
-
-    def _end(self, seq: BatchSequence) -> None:
-        req = seq.req
-        if not req.plain:
-            for s in req.arms.speculators if req.arms else (req.speculator,):
-                s.end_request(list(req.tokens), req.prompt_len)
+            self.engine.end_request(seq.req)
 
     def _prefill(self) -> int:
         """At most one prefill pass per step: the next chunk of a prompt already under way, or
@@ -302,11 +292,9 @@ class BatchScheduler:
             if drafted > 0:
                 seq.tracker.observe(drafted, acceptance.num_accepted)
             event = seq.emitter.emit(acceptance)
-            seq.tokens_out.extend(event.token_ids)
             events.append((seq, event))
             if event.finish_reason is not None:
                 seq.finish_reason = event.finish_reason
-                seq.eos_token_id = event.eos_token_id
                 done.append(row)
         self._release(done)
         return width, length, seconds, events
@@ -360,22 +348,10 @@ def generate_batch_ids(
             f"{len(seeds)} seeds for {len(prompt_ids)} prompts", param="seeds"
         )
     scheduler = BatchScheduler(engine, max_batch=max_batch)
-    stop = kwargs.get("stop", ())
     seqs: list[BatchSequence] = []
     for i, ids in enumerate(prompt_ids):
         seed = seeds[i] if seeds is not None else kwargs.get("seed")
-        sampling = SamplingConfig(
-            temperature=kwargs.get("temperature", 0.0),
-            top_p=kwargs.get("top_p", 1.0),
-            top_k=kwargs.get("top_k", 0),
-            seed=seed,
-        )
-        config = GenerationConfig(
-            max_new_tokens=kwargs.get("max_new_tokens", 128),
-            stop=tuple([stop] if isinstance(stop, str) else stop),
-            ignore_eos=kwargs.get("ignore_eos", False),
-            sampling=sampling,
-        )
+        config = GenerationConfig.of(**{**kwargs, "seed": seed})
         seqs.append(
             scheduler.add(
                 list(ids),
@@ -386,24 +362,8 @@ def generate_batch_ids(
                 top_logprobs=top_logprobs,
             )
         )
-    texts: dict[int, list[str]] = {s.id: [] for s in seqs}
-    lps: dict[int, list[TokenLogprob]] = {s.id: [] for s in seqs}
-    stats: dict[int, RequestStats] = {}
+    builders = {s.id: ResultBuilder(logprobs) for s in seqs}
     for seq, event in scheduler.run():
-        texts[seq.id].append(event.text)
-        if event.logprobs:
-            lps[seq.id].extend(event.logprobs)
-        stats[seq.id] = event.stats
+        builders[seq.id].add(event)
     method = engine.method if speculate else "none"
-    return [
-        GenerationResult(
-            "".join(texts[s.id]),
-            list(s.tokens_out),
-            s.finish_reason or "length",
-            method,
-            stats.get(s.id, RequestStats()),
-            lps[s.id] if logprobs else None,
-            s.eos_token_id,
-        )
-        for s in seqs
-    ]
+    return [builders[s.id].result(method) for s in seqs]

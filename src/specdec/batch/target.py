@@ -185,7 +185,8 @@ class BatchTarget:
         at = int(lengths.max())
         ids = torch.empty(n, width, dtype=torch.long)
         depth = torch.empty(n, width, dtype=torch.long)
-        new = torch.zeros(n, width, width, dtype=torch.bool)  # [n, T, T] query x new slot
+        # [n, T, T] query x new slot; a padding query sees its own slot only
+        new = torch.eye(width, dtype=torch.bool).repeat(n, 1, 1)
         pad = torch.arange(width)
         for r, tree in enumerate(trees):
             size = len(tree)
@@ -193,7 +194,6 @@ class BatchTarget:
             ids[r, :size] = torch.tensor(tree.tokens)
             depth[r] = pad
             depth[r, :size] = torch.tensor(tree.depths)
-            new[r] = torch.eye(width, dtype=torch.bool)  # a padding query sees its own slot
             new[r, :size, :size] = tree.ancestor_mask()
         positions = lengths[:, None] + depth  # [n, T]
         slots = at + width

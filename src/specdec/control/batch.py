@@ -123,8 +123,9 @@ class BatchBudget:
 
     Probes keep the estimates honest: after ``probe_every`` steps without drafts it drafts one
     token (each probe that finds drafting still priced out doubles the gap, up to 32x: at a full
-    batch a probe's wider pass costs up to a whole extra pass, so at most ~0.4% of the time); after ``4 x probe_every`` steps of drafting it
-    drafts nothing once, so the cost of the plain batched pass stays measured."""
+    batch a probe's wider pass costs up to a whole extra pass, so at most ~0.4% of the time);
+    after ``4 x probe_every`` steps of drafting it drafts nothing once, so the cost of the plain
+    batched pass stays measured."""
 
     num_draft_tokens: int
     costs: BatchCosts = field(default_factory=BatchCosts)
@@ -134,7 +135,6 @@ class BatchBudget:
     _busy: int = 0
     _gap: int = 0  # steps between probes now: doubles while probes find drafting priced out
     _probed: bool = False
-    last_rate: float = 0.0
 
     def __post_init__(self) -> None:
         self._gap = self.probe_every
@@ -182,7 +182,6 @@ class BatchBudget:
             rate = tokens / seconds if seconds > 0 else 0.0
             if rate > best_rate * (1 + 1e-9):
                 best_l, best_rate = length, rate
-        self.last_rate = best_rate
         probed, self._probed = self._probed, False
         if best_l == 0:
             self._busy = 0

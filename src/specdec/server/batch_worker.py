@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 from collections.abc import Callable
 
@@ -27,9 +26,8 @@ from specdec.server.worker import (
     JobQueue,
     Outcome,
     Produced,
-    QueueFullError,
-    ShuttingDownError,
     Started,
+    Worker,
 )
 
 log = logging.getLogger(__name__)
@@ -43,15 +41,8 @@ class BatchJobQueue(JobQueue):
         super().__init__(capacity)
         self._free = free_slots
 
-    def put(self, job: Job) -> int:
-        with self._cond:
-            if self._closed:
-                raise ShuttingDownError("the server is shutting down")
-            if len(self._items) >= self.capacity + self._free():
-                raise QueueFullError(f"{len(self._items)} requests are already waiting")
-            self._items.append(job)
-            self._cond.notify()
-            return len(self._items) - 1
+    def _room(self) -> int:
+        return self.capacity + self._free()
 
     def take(self, block: bool) -> Job | None:
         """The oldest job; waits for one when ``block`` (``None`` once closed or, without
@@ -64,8 +55,10 @@ class BatchJobQueue(JobQueue):
             return self._items.popleft()
 
 
-class BatchWorker:
+class BatchWorker(Worker):
     """Runs jobs as sequences of one continuous batch, on one thread (see the module doc)."""
+
+    thread_name = "specdec-batch"
 
     def __init__(
         self, engine: SpeculativeEngine, *, max_batch: int, max_queue: int, chunk: int = 64
@@ -75,41 +68,20 @@ class BatchWorker:
         self.scheduler = BatchScheduler(engine, max_batch=max_batch, chunk=chunk)
         self._jobs: dict[int, tuple[Job, BatchSequence]] = {}
         self._in_batch = 0  # read by the queue's bound from the event loop's thread
-        self.queue = BatchJobQueue(max_queue, lambda: max(0, self.max_batch - self._in_batch))
-        self._thread: threading.Thread | None = None
+        self._queue = BatchJobQueue(max_queue, lambda: max(0, self.max_batch - self._in_batch))
+        super().__init__(self._queue)
         self._stopping = False
-        self._mean_job_seconds = 1.0
-        self.jobs_done = 0
         # called with each decode step's report (batch size, chosen draft length)
         self.on_step: Callable[[StepReport], None] | None = None
 
-    # -- lifecycle ------------------------------------------------------------------------------
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="specdec-batch", daemon=True)
-        self._thread.start()
-
     def stop(self, timeout: float = 10.0) -> None:
+        """Refuse new work, end the waiting jobs, cancel the batch's, and join the thread."""
         self._stopping = True
-        for job in self.queue.close():
-            job.post(Ended(Outcome.CANCELLED))
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        self._close(timeout)
 
     @property
     def busy(self) -> bool:
         return self._in_batch > 0
-
-    # -- the asyncio side -----------------------------------------------------------------------
-    def submit(self, job: Job) -> int:
-        return self.queue.put(job)
-
-    def withdraw(self, job: Job) -> None:
-        job.cancel()
-        self.queue.remove(job)
 
     def retry_after(self) -> int:
         """Seconds until a slot is likely free: the waiting jobs share ``max_batch`` slots."""
@@ -150,7 +122,7 @@ class BatchWorker:
         """Move waiting jobs into free slots (blocking while nothing at all is to be done);
         ``False`` once the queue is closed."""
         while len(self._jobs) < self.max_batch:
-            job = self.queue.take(block=self.scheduler.idle and not self._jobs)
+            job = self._queue.take(block=self.scheduler.idle and not self._jobs)
             if job is None:
                 return not self.queue.closed
             if job.cancelled:

@@ -152,11 +152,15 @@ class JobQueue:
         with self._cond:
             if self._closed:
                 raise ShuttingDownError("the server is shutting down")
-            if len(self._items) >= self.capacity + (1 - self._in_service):
+            if len(self._items) >= self._room():
                 raise QueueFullError(f"{len(self._items)} requests are already waiting")
             self._items.append(job)
             self._cond.notify()
             return len(self._items) - 1
+
+    def _room(self) -> int:
+        """How many jobs may be in the queue now (called with the lock held)."""
+        return self.capacity + (1 - self._in_service)
 
     def get(self) -> Job | None:
         """Block for the oldest job; ``None`` once the queue is closed."""
@@ -191,43 +195,36 @@ class JobQueue:
             return left
 
 
-class EngineWorker:
-    """Runs jobs one after another on a dedicated thread that alone calls the engine.
+class Worker:
+    """What every engine thread shares: the bounded queue in front of it, the thread, and the
+    asyncio side's calls (submit, withdraw). Subclasses run ``_loop`` on the thread."""
 
-    ``stream`` is the engine's ``stream_ids``: it validates eagerly and returns a generator of
-    :class:`TokenEvent`; the worker closes that generator when a job ends early.
-    """
+    thread_name = "specdec-engine"
 
-    def __init__(self, stream: StreamFn, *, max_queue: int) -> None:
-        self._stream = stream
-        self.queue = JobQueue(max_queue)
+    def __init__(self, queue: JobQueue) -> None:
+        self.queue = queue
         self._thread: threading.Thread | None = None
-        self._current: Job | None = None
         self._mean_job_seconds = 1.0  # running estimate, for Retry-After
         self.jobs_done = 0
 
+    def _loop(self) -> None:
+        raise NotImplementedError
+
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="specdec-engine", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name=self.thread_name, daemon=True)
         self._thread.start()
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Refuse new work, end the waiting and running jobs, and join the thread."""
+    def _close(self, timeout: float) -> None:
+        """Refuse new work, end the waiting jobs and join the thread."""
         for job in self.queue.close():
             job.post(Ended(Outcome.CANCELLED))
-        current = self._current
-        if current is not None:
-            current.cancel()
         if self._thread is not None:
             self._thread.join(timeout)
 
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
-
-    @property
-    def busy(self) -> bool:
-        return self._current is not None
 
     # -- the asyncio side -----------------------------------------------------------------------
     def submit(self, job: Job) -> int:
@@ -238,6 +235,30 @@ class EngineWorker:
         """The client is gone or gave up: drop the job from the queue or stop it mid-decode."""
         job.cancel()
         self.queue.remove(job)
+
+
+class EngineWorker(Worker):
+    """Runs jobs one after another on a dedicated thread that alone calls the engine.
+
+    ``stream`` is the engine's ``stream_ids``: it validates eagerly and returns a generator of
+    :class:`TokenEvent`; the worker closes that generator when a job ends early.
+    """
+
+    def __init__(self, stream: StreamFn, *, max_queue: int) -> None:
+        super().__init__(JobQueue(max_queue))
+        self._stream = stream
+        self._current: Job | None = None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Refuse new work, end the waiting and running jobs, and join the thread."""
+        current = self._current
+        if current is not None:
+            current.cancel()
+        self._close(timeout)
+
+    @property
+    def busy(self) -> bool:
+        return self._current is not None
 
     def retry_after(self) -> int:
         """Seconds until a slot is likely free: waiting jobs times the mean job duration."""
