@@ -319,3 +319,17 @@ def test_probes_back_off_while_drafting_stays_priced_out():
             probes.append(step)
     gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
     assert gaps == sorted(gaps) and gaps[-1] == 64 and gaps[0] < 16
+
+
+def test_rows_outgrow_the_first_slot_reserve_outside_inference_mode(tiny64):
+    """The slot buffers grow inside the verification pass (inference mode); committing,
+    joining and leaving happen between passes, so a caller outside inference mode (the data
+    generator) must still be able to run past the first reserve of slots."""
+    from specdec.batch.cache import SLOT_STEP
+
+    assert not torch.is_inference_mode_enabled()
+    engine = SpeculativeEngine.from_pretrained(tiny64, speculator="none")
+    out = engine.generate_batch(
+        PROMPTS[:3], max_new_tokens=SLOT_STEP + 8, ignore_eos=True, max_batch=2
+    )
+    assert all(len(r.token_ids) == SLOT_STEP + 8 for r in out)

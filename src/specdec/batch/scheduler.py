@@ -25,6 +25,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from specdec.batch.target import DEFAULT_CHUNK, BatchTarget, Prefill
 from specdec.config import GenerationConfig
 from specdec.control.batch import BatchBudget, BatchCosts, Candidate
@@ -143,8 +145,11 @@ class BatchScheduler:
         return len(self.waiting) + len(self.running)
 
     # -- the step -------------------------------------------------------------------------------
+    @torch.inference_mode()
     def step(self) -> list[tuple[BatchSequence, TokenEvent]]:
-        """One scheduling step (see the module doc); returns the events it produced."""
+        """One scheduling step (see the module doc); returns the events it produced.  In
+        inference mode as a whole: the cache buffers are allocated inside the verification
+        pass, so every in-place edit of them (joins, commits, leaves) must be too."""
         t0 = time.perf_counter()
         self._drop_cancelled()
         prefilled = self._prefill()

@@ -90,6 +90,7 @@ class BatchTarget:
         runner.hidden_layers = self.hidden_layers
         return Prefill(list(prompt[:-1]), runner)
 
+    @torch.inference_mode()
     def prefill_chunk(self, prefill: Prefill, chunk: int | None = None) -> int | None:
         """Feed ``prefill``'s next chunk on its own cache; when the prompt is in, move it into
         a new row and return the row's index (else ``None``)."""
@@ -108,6 +109,7 @@ class BatchTarget:
         prefill.runner.reset()  # its cache now lives in the row
         return self._add(prefill, keys, values)
 
+    @torch.inference_mode()
     def prefill_packed(self, prefills: Sequence[Prefill]) -> list[int]:
         """Prefill several fresh prompts in ONE forward pass, packed one after another with
         positions restarting at 0 for each and a block-diagonal causal mask, so each sees only
@@ -162,6 +164,7 @@ class BatchTarget:
         self.features.append(torch.cat(prefill.features) if prefill.features else None)
         return row
 
+    @torch.inference_mode()
     def remove(self, row: int) -> None:
         """Free ``row``: the last row moves into it. The last row out frees the buffers, so a
         burst of long sequences does not hold its memory while the batch is empty."""
@@ -231,6 +234,7 @@ class BatchTarget:
             self._hidden = torch.cat([states[i] for i in self.hidden_layers], -1)  # [n, T, H]
         return [out.logits[r, : len(t)] for r, t in enumerate(trees)]
 
+    @torch.inference_mode()
     def commit(self, paths: Sequence[Sequence[int]]) -> None:
         """Row ``r`` keeps the nodes ``paths[r]`` of its last verified tree."""
         self.cache.commit(self._write_at, paths)
