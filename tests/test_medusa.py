@@ -449,6 +449,22 @@ def test_feature_cache_extracts_only_answers_it_does_not_hold(tiny, data_dir: Pa
     for a, b in zip(first[1:], every[1:3], strict=True):
         assert all(torch.equal(a[k], b[k]) for k in ("x", "n"))
     calls.clear()
+    features_per_record(cache, records[3:4], {"m": 1}, "s", extract)  # a subset's run
+    features_per_record(cache, records, {"m": 1}, "s", extract)
+    assert calls == []  # ... kept every answer for the next run on the whole set
+    interrupted = tmp_path / "i.safetensors"
+
+    def fails_at_third(r):
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return extract(r)
+
+    with pytest.raises(KeyboardInterrupt):
+        features_per_record(interrupted, records, {"m": 1}, "s", fails_at_third, save_every=0)
+    calls.clear()
+    features_per_record(interrupted, records, {"m": 1}, "s", extract)
+    assert calls == [r.index for r in records[2:]]  # resumed after the saved answers
+    calls.clear()
     features_per_record(cache, records, {"m": 1}, "other settings", extract)
     assert len(calls) == len(records)  # other settings never reuse features
     cache.write_bytes(b"not safetensors")

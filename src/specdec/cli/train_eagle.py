@@ -16,6 +16,7 @@ from specdec.cli.common import (
     GgufOpt,
     MaxStepsOpt,
     ModelOpt,
+    PrecisionOpt,
     ResumeOpt,
     ThreadsOpt,
     err_console,
@@ -81,6 +82,7 @@ def eagle(
     eval_every: Annotated[int, typer.Option("--eval-every")] = 100,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     resume: ResumeOpt = False,
+    precision: PrecisionOpt = "auto",
     categories: CategoriesOpt = None,
     exclude_categories: ExcludeCategoriesOpt = None,
     threads: ThreadsOpt = None,
@@ -109,6 +111,7 @@ def eagle(
             speculative_tokens=speculative_tokens,
             eval_every=eval_every,
             seed=seed,
+            precision=precision,
         )
         loaded = load_target(model, gguf, dtype, threads)
         dataset = select_categories(load_data(data, loaded), categories, exclude_categories)

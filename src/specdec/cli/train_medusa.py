@@ -17,6 +17,7 @@ from specdec.cli.common import (
     GgufOpt,
     MaxStepsOpt,
     ModelOpt,
+    PrecisionOpt,
     ResumeOpt,
     ThreadsOpt,
     err_console,
@@ -53,6 +54,7 @@ def medusa(
     eval_every: Annotated[int, typer.Option("--eval-every")] = 200,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     resume: ResumeOpt = False,
+    precision: PrecisionOpt = "auto",
     categories: CategoriesOpt = None,
     exclude_categories: ExcludeCategoriesOpt = None,
     threads: ThreadsOpt = None,
@@ -78,6 +80,7 @@ def medusa(
             batch_positions=batch,
             eval_every=eval_every,
             seed=seed,
+            precision=precision,
         )
         loaded = load_target(model, gguf, dtype, threads)
         dataset = select_categories(load_data(data, loaded), categories, exclude_categories)

@@ -122,6 +122,20 @@ class SelfDistilledData:
         tr = [self.records[i] for i in sorted(order[n_eval:])]
         return tr, ev
 
+    def split_for_training(
+        self, held_out: float, seed: int = 0, held_out_records: Sequence[Record] | None = None
+    ) -> tuple[list[Record], list[Record]]:
+        """:meth:`split`, or with ``held_out_records`` that fixed evaluation set kept out of
+        training, so checkpoints trained on different amounts of data (a learning curve) are
+        measured on the same positions."""
+        if held_out_records is None:
+            return self.split(held_out, seed)
+        held_ids = {r.index for r in held_out_records}
+        train = [r for r in self.records if r.index not in held_ids]
+        if not train:
+            raise DataError("every record is held out; nothing is left to train on")
+        return train, list(held_out_records)
+
     def categories(self) -> list[str | None]:
         """Each record's ``category`` in the prompt file the data was generated from (``None``
         where the line has none). Refuses a prompt file that changed since generation, whose

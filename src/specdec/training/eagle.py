@@ -55,6 +55,7 @@ from specdec.training.data import Record, SelfDistilledData
 from specdec.training.feature_cache import features_per_record
 from specdec.training.loop import Evaluation, StepOutput, TrainTask, train_epochs
 from specdec.training.medusa import draft_vocabulary
+from specdec.training.precision import autocast, check_precision
 from specdec.training.progress import NullBar, ProgressFactory
 
 
@@ -77,8 +78,10 @@ class EagleTrainConfig:
     checkpoint_every: int = 100
     speculative_tokens: int = 5
     seed: int = 0
+    precision: str = "auto"  # bf16-mixed | fp32 | auto: bf16 where native (training/precision)
 
     def __post_init__(self) -> None:
+        check_precision(self.precision)
         if self.variant not in VARIANTS:
             raise ConfigError(f"unknown --variant {self.variant!r}; use one of {VARIANTS}")
         if self.aux_layers is not None and self.variant != "eagle3":
@@ -391,10 +394,11 @@ def evaluate(
     head.eval()
     device = head.fc.weight.device
     readout = readout.to(device)
-    stats = [
-        unroll(head, collate(feats, range(i, min(i + 8, len(feats))), device), readout, config)
-        for i in range(0, len(feats), 8)
-    ]
+    with autocast(config.precision, device):
+        stats = [
+            unroll(head, collate(feats, range(i, min(i + 8, len(feats))), device), readout, config)
+            for i in range(0, len(feats), 8)
+        ]
     head.train(was_training)
     return chain_acceptance(stats)
 
@@ -447,7 +451,8 @@ class _EagleTask(TrainTask):
         # each data-parallel process takes its own share of the batch
         share = batch[self.accel.process_index :: self.accel.num_processes] or batch
         feats = collate(self.train, share, self.device)
-        stats = unroll(self.head, feats, self.readout.to(self.device), self.config)
+        with autocast(self.config.precision, self.device):
+            stats = unroll(self.head, feats, self.readout.to(self.device), self.config)
         return StepOutput(stats.loss, {"loss": float(stats.loss.detach())})
 
     def evaluate(self, step: int, last: dict[str, float]) -> Evaluation:
@@ -471,8 +476,14 @@ def train_eagle(
     resume: bool = False,
     progress: ProgressFactory = NullBar,
     verifier_name: str | None = None,
+    held_out_records: Sequence[Record] | None = None,
+    feature_cache: str | os.PathLike[str] | None = None,
 ) -> EagleTrainResult:
-    """Train an EAGLE drafter for ``loaded`` on ``data``; save it in the speculators format."""
+    """Train an EAGLE drafter for ``loaded`` on ``data``; save it in the speculators format.
+
+    ``held_out_records``: see :meth:`SelfDistilledData.split_for_training`.  ``feature_cache``:
+    one features file for runs that share data (default: next to the checkpoint); it keeps
+    every answer it has seen, so the runs of a learning curve pay for one extraction."""
     from accelerate import Accelerator
 
     from specdec.heads.eagle_io import save_eagle
@@ -483,18 +494,19 @@ def train_eagle(
     out.mkdir(parents=True, exist_ok=True)
     accel = Accelerator(cpu=not torch.cuda.is_available())
     torch.manual_seed(config.seed)
-    train_recs, eval_recs = data.split(config.held_out, config.seed)
+    train_recs, eval_recs = data.split_for_training(config.held_out, config.seed, held_out_records)
+    shared = Path(feature_cache) if feature_cache is not None else None
     t0 = time.perf_counter()
     with accel.main_process_first():
         train = extract_sequence_features(
-            loaded, train_recs, config, out / "features-train.safetensors", progress
+            loaded, train_recs, config, shared or out / "features-train.safetensors", progress
         )
         held = (
             extract_sequence_features(
                 loaded,
                 eval_recs,
                 config,
-                out / "features-heldout.safetensors",
+                shared or out / "features-heldout.safetensors",
                 progress,
                 "held-out features",
             )
@@ -509,7 +521,9 @@ def train_eagle(
     coverage = float((to_draft[labels] >= 0).float().mean()) if len(labels) else 0.0
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
-    store = CheckpointStore(out, run_identity("eagle", loaded, data, config))
+    store = CheckpointStore(
+        out, run_identity("eagle", loaded, data, config, held_out=held_out_records)
+    )
     prepared, opt = accel.prepare(head, opt)
     core: EagleHead = accel.unwrap_model(prepared)
     run = train_epochs(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,9 @@ def save_cached(
     os.replace(tmp, cache_file)
 
 
+SAVE_EVERY_SECONDS = 600.0  # a long extraction's progress is saved this often
+
+
 def features_per_record(
     cache_file: Path | None,
     records: Sequence[Record],
@@ -83,10 +87,16 @@ def features_per_record(
     extract: Extractor,
     progress: ProgressFactory = NullBar,
     desc: str = "target features",
+    save_every: float = SAVE_EVERY_SECONDS,
 ) -> list[dict[str, torch.Tensor] | None]:
     """Each record's feature tensors (``extract(record)``; None for a record it skips),
     taking the ones ``cache_file`` already holds for the same target and ``salt`` and
-    extracting only the rest; the file is rewritten to hold exactly ``records``.
+    extracting only the rest.
+
+    The file keeps every answer it ever held for these settings, not only ``records``: runs on
+    subsets of one data set (a learning curve, a category filter) share one extraction. A long
+    extraction is saved every ``save_every`` seconds, so an interrupted run (hours for a large
+    set on a CPU) resumes where it stopped.
 
     Every tensor a record yields is stored row-concatenated with its per-record row count, so
     ``extract`` may return tensors of different lengths (positions, one-row counters)."""
@@ -97,32 +107,32 @@ def features_per_record(
     out: list[dict[str, torch.Tensor] | None] = [have.get(d) for d in digests]
     if missing:
         bar = progress(total=len(missing), desc=desc, unit="seq")
+        saved = time.monotonic()
         try:
             for i in missing:
-                out[i] = extract(records[i])
+                out[i] = have[digests[i]] = extract(records[i])
                 bar.update(1)
+                if time.monotonic() - saved > save_every:
+                    _save_per_record(cache_file, setting, have)
+                    saved = time.monotonic()
         finally:
             bar.close()
-    if missing or len(have) != len(set(digests)):
-        _save_per_record(cache_file, setting, digests, out)
+        _save_per_record(cache_file, setting, have)
     return out
 
 
 def _save_per_record(
-    cache_file: Path | None,
-    setting: str,
-    digests: list[str],
-    rows: list[dict[str, torch.Tensor] | None],
+    cache_file: Path | None, setting: str, have: dict[str, dict[str, torch.Tensor] | None]
 ) -> None:
     if cache_file is None:
         return
-    kept = [(d, r) for d, r in zip(digests, rows, strict=True) if r is not None]
+    kept = [(d, r) for d, r in have.items() if r is not None]
     names = sorted(kept[0][1]) if kept else []
     tensors = {}
     for name in names:
         tensors[name] = torch.cat([r[name] for _, r in kept])
         tensors[f"rows.{name}"] = torch.tensor([len(r[name]) for _, r in kept], dtype=torch.long)
-    skipped = sorted({d for d, r in zip(digests, rows, strict=True) if r is None})
+    skipped = sorted(d for d, r in have.items() if r is None)
     meta = {
         "format": PER_RECORD_FORMAT,
         "kept": json.dumps([d for d, _ in kept]),

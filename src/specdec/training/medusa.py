@@ -32,6 +32,7 @@ from specdec.training.checkpoint import CheckpointStore, check_schedule, run_ide
 from specdec.training.data import Record, SelfDistilledData
 from specdec.training.feature_cache import features_per_record
 from specdec.training.loop import Evaluation, StepOutput, TrainTask, train_epochs
+from specdec.training.precision import autocast, check_precision
 from specdec.training.progress import NullBar, ProgressFactory
 from specdec.tree.topology import Topology, accepted_lengths
 
@@ -52,9 +53,11 @@ class MedusaTrainConfig:
     # share of each head's loss taken against the target's full distribution (0 = labels only)
     soft_weight: float = 0.0
     seed: int = 0
+    precision: str = "auto"  # bf16-mixed | fp32 | auto: bf16 where native (training/precision)
     eval_ranks: int = 10
 
     def __post_init__(self) -> None:
+        check_precision(self.precision)
         if self.num_heads < 1 or self.num_heads > 16:
             raise ConfigError(f"--heads must be in 1..16, got {self.num_heads}")
         if self.num_layers < 0:
@@ -241,6 +244,7 @@ class _MedusaTask(TrainTask):
         self.module = self.heads = heads
         self.train, self.held, self.teacher = train, held, teacher
         self.soft_weight = config.soft_weight
+        self.precision = config.precision
         self.weights = torch.tensor([config.head_decay**k for k in range(config.num_heads)])
 
     def loss(self, batch: list[int]) -> StepOutput:
@@ -250,7 +254,8 @@ class _MedusaTask(TrainTask):
         soft = None
         if self.teacher is not None:
             soft = teacher_probs(self.train.hidden, idx, labels, self.teacher)
-        loss = self.heads.loss(h, labels, self.weights, soft, self.soft_weight)
+        with autocast(self.precision, h.device):
+            loss = self.heads.loss(h, labels, self.weights, soft, self.soft_weight)
         return StepOutput(loss, {"loss": float(loss.detach())})
 
     def evaluate(self, step: int, last: dict[str, float]) -> Evaluation:
@@ -283,14 +288,7 @@ def train_medusa(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.seed)
-    if held_out_records is None:
-        train_recs, eval_recs = data.split(config.held_out, config.seed)
-    else:
-        held_ids = {r.index for r in held_out_records}
-        train_recs = [r for r in data.records if r.index not in held_ids]
-        eval_recs = list(held_out_records)
-        if not train_recs:
-            raise DataError("every record is held out; nothing is left to train on")
+    train_recs, eval_recs = data.split_for_training(config.held_out, config.seed, held_out_records)
     t0 = time.perf_counter()
     train = extract_features(
         loaded, train_recs, config.num_heads, out / "features-train.safetensors", progress

@@ -528,5 +528,3 @@ def _answer(
                     ]
             bar.update(len(batch))
     return [got[k] for k in sorted(got)], skipped
-
-
