@@ -326,8 +326,10 @@ def test_an_interrupted_run_resumes_from_its_checkpoint(tiny, data_dir, tmp_path
 
 
 def test_bad_settings_fail_fast(tiny):
-    with pytest.raises(ConfigError, match="needs dir="):
-        SpeculativeEngine.from_pretrained(tiny, speculator="eagle")
+    with pytest.raises(CheckpointError, match="shipped EAGLE-3 head .*--speculator eagle:DIR"):
+        SpeculativeEngine.from_pretrained(tiny, speculator="eagle")  # the shipped head's target
+    with pytest.raises(ConfigError, match="precision 'fp8'.*bf16-mixed"):
+        EagleTrainConfig(precision="fp8")
     with pytest.raises(ConfigError, match="variant"):
         EagleTrainConfig(variant="eagle2")
     with pytest.raises(ConfigError, match="out of range"):
@@ -463,3 +465,22 @@ def test_auto_defers_watching_to_one_batch_before_drafting(tiny):
             assert deferred.cached < len(ctx.tokens) - 1  # nothing absorbed since the last draft
             again, _ = auto._propose("eagle", ctx, 50)
             assert (again.tokens, again.parents) == (drafted.tokens, drafted.parents)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_both_precisions_train(tiny, data_dir, tmp_path, precision):
+    """bf16-mixed is the default where bf16 matmuls are native (this project's CPUs); fp32
+    stays available. Either learns: the held-out τ rises well above the untrained head's."""
+    from specdec.training.eagle import train_eagle
+    from specdec.training.precision import autocast
+
+    cfg = _train_config("eagle3", precision=precision, max_steps=80, eval_every=80)
+    with autocast(precision, "cpu"):
+        engaged = torch.is_autocast_enabled("cpu")
+    assert engaged == (precision == "bf16-mixed")
+    data = load_data(data_dir, tiny)
+    feats = extract_sequence_features(tiny, data.records, cfg)
+    untrained = build_head(tiny, cfg, data.records)
+    _, before = evaluate(untrained, feats, readout_for(untrained, cfg, data.records), cfg)
+    result = train_eagle(tiny, data, tmp_path, cfg)
+    assert result.simulated_tau > before + 0.5

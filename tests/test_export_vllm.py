@@ -429,3 +429,17 @@ def test_human_output_is_the_command_then_notes(tiny_model_dir):
     (command,) = result.stdout.splitlines()
     assert command.startswith("vllm serve ") and '"method": "suffix"' in command
     assert "not carried over: min_match_length=3" in result.stderr
+
+
+def test_the_shipped_eagle_head_exports_without_a_path(tiny_model_dir, tmp_path):
+    """`specdec export vllm eagle`: the head shipped for the bundled model, written where --out
+    says (never beside the installed package); another target is told to train its own."""
+    assert "--out" in refused("eagle")
+    out = tmp_path / "served"
+    doc = export("eagle", "--out", str(out))
+    assert doc["speculative_config"]["method"] == "eagle3"
+    assert doc["target"] == DEFAULT_MODEL_HUB_ID
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_config"]["verifier"]["name_or_path"] == DEFAULT_MODEL_HUB_ID
+    line = refused("eagle", "--model", str(tiny_model_dir), "--out", str(tmp_path / "other"))
+    assert "shipped EAGLE-3 head is for the bundled" in line and "train" in line

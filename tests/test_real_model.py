@@ -272,3 +272,13 @@ def test_suffix_cache_learns_across_requests_on_real_prompts(smol, smol_dir, pla
     second = check_equivalent_or_tie(engine, smol_dir, plain_outputs, PROMPTS, "suffix, pass 2")
     passes = [sum(r.stats.target_forwards for r in rs) for rs in (first, second)]
     assert passes[1] < passes[0] / 2, passes
+
+
+def test_shipped_eagle_head_needs_no_path_and_is_lossless(smol, smol_dir, plain_outputs):
+    """`--speculator eagle` on the bundled model loads the EAGLE-3 head shipped in the package
+    (no training, no path): greedy output is plain decoding's, and the head drafts what the
+    target accepts (a trained head, not a placeholder)."""
+    engine = SpeculativeEngine.from_pretrained(smol, speculator="eagle", adaptive=False)
+    results = check_equivalent_or_tie(engine, smol_dir, plain_outputs, PROMPTS, "shipped eagle")
+    stats = [r.stats for r in results]
+    assert sum(s.accepted_tokens for s in stats) > 0.2 * sum(s.target_forwards for s in stats)

@@ -121,7 +121,7 @@ def test_tiny_all_kinds_of_method_and_a_malformed_line(tiny_model_dir, tiny_data
     [
         (["--dataset", "/nonexistent/q.jsonl"], "does not exist"),
         (["--methods", "none,medusa2"], "unknown name 'medusa2'"),
-        (["--methods", "none,eagle"], "needs dir="),
+        (["--methods", "none,eagle:dir=/nonexistent"], "does not exist"),
         (["--methods", "none,medusa"], "needs dir="),
         (["--methods", "none,eagle:dir=d,depth=3"], "no option 'depth'; its options: k, dir"),
         (["--methods", "none,hf-assisted"], "needs draft="),

@@ -417,16 +417,21 @@ def write_vllm_medusa(heads: Any, dest: Path, *, num_heads: int, source: str = "
 
 # -- EAGLE -------------------------------------------------------------------------------------
 def _eagle(options: Any, target: str, local: LocalTarget, out: Path | None) -> _Result:
+    from specdec.heads.bundled import EAGLE3_SMOLLM2, bundled_eagle
     from specdec.heads.eagle_io import load_eagle, save_eagle, vllm_incompatibilities
     from specdec.speculators.eagle import EagleTree
 
-    dest = out if out is not None else _sibling(Path(options.dir))
-    _check_destination(dest, Path(options.dir))
+    if options.dir is None and out is None:  # never write beside the installed package
+        raise ConfigError("exporting the shipped EAGLE-3 head needs --out DIR (where to write)")
+    source = Path(options.dir) if options.dir else EAGLE3_SMOLLM2
+    dest = out if out is not None else _sibling(source)
+    _check_destination(dest, source)
     loaded = local.load()
-    head = load_eagle(options.dir, loaded)  # checks it fits this target
+    # checks it fits this target
+    head = load_eagle(source, loaded) if options.dir else bundled_eagle(loaded)
     problems = vllm_incompatibilities(head.config)
     if problems:
-        raise CheckpointError(f"vLLM cannot serve the EAGLE drafter {options.dir}: {problems[0]}")
+        raise CheckpointError(f"vLLM cannot serve the EAGLE drafter {source}: {problems[0]}")
     tree = EagleTree.parse(options.tree, head.config.speculative_tokens)
     n = min(tree.depth, _k(options))
     architectures = list(getattr(loaded.model.config, "architectures", None) or [])
@@ -435,7 +440,7 @@ def _eagle(options: Any, target: str, local: LocalTarget, out: Path | None) -> _
         dest,
         verifier_name_or_path=target,
         verifier_architectures=architectures or [type(loaded.model).__name__],
-        extra={"export": EXPORT_MARK, "source": str(options.dir)},
+        extra={"export": EXPORT_MARK, "source": str(options.dir or "shipped:" + source.name)},
     )
     method = "eagle3" if head.config.variant == "eagle3" else "eagle"
     reasons = {

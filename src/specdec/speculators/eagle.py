@@ -90,8 +90,10 @@ class _Node:
 @dataclass(frozen=True, kw_only=True)
 class EagleOptions(SpeculatorOptions):
     primary = "dir"
-    dir: str = option(
-        help="drafter directory (`specdec train eagle`, speculators or EAGLE authors' layout)"
+    dir: str | None = option(
+        None,
+        help="drafter directory (`specdec train eagle`, speculators or EAGLE authors' layout; "
+        "default: the EAGLE-3 head shipped for the bundled SmolLM2-135M-Instruct)",
     )
     tree: str | None = option(
         None,
@@ -268,8 +270,9 @@ def _to_tree(root: int, nodes: list[_Node], keep: list[int]) -> DraftTree:
 @register("eagle", EagleOptions)
 def _build(target: LoadedModel, options: EagleOptions) -> EagleSpeculator:
     """EAGLE-1/3 drafter over the target's features, EAGLE-2 dynamic trees"""
+    from specdec.heads.bundled import bundled_eagle
     from specdec.heads.eagle_io import load_eagle
 
-    head = load_eagle(options.dir, target)
+    head = load_eagle(options.dir, target) if options.dir else bundled_eagle(target)
     tree = EagleTree.parse(options.tree, head.config.speculative_tokens)
     return EagleSpeculator(head, tree)

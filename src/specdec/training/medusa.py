@@ -277,12 +277,14 @@ def train_medusa(
     resume: bool = False,
     progress: ProgressFactory = NullBar,
     held_out_records: Sequence[Record] | None = None,
+    feature_cache: str | os.PathLike[str] | None = None,
 ) -> MedusaTrainResult:
     """Train Medusa-1 heads for ``loaded`` on ``data`` and save them in ``out_dir``.
 
     ``held_out_records`` fixes the evaluation set (and keeps it out of training) instead of
     splitting off ``config.held_out`` of the data, so checkpoints trained on different amounts
-    of data are measured on the same positions."""
+    of data are measured on the same positions. ``feature_cache``: one features file shared by
+    runs on the same data (default: next to the checkpoint), as in ``train_eagle``."""
     started = time.perf_counter()
     data.check_target(loaded)
     out = Path(out_dir)
@@ -290,15 +292,16 @@ def train_medusa(
     torch.manual_seed(config.seed)
     train_recs, eval_recs = data.split_for_training(config.held_out, config.seed, held_out_records)
     t0 = time.perf_counter()
+    shared = Path(feature_cache) if feature_cache is not None else None
     train = extract_features(
-        loaded, train_recs, config.num_heads, out / "features-train.safetensors", progress
+        loaded, train_recs, config.num_heads, shared or out / "features-train.safetensors", progress
     )
     held = (
         extract_features(
             loaded,
             eval_recs,
             config.num_heads,
-            out / "features-heldout.safetensors",
+            shared or out / "features-heldout.safetensors",
             progress,
             "held-out features",
         )
