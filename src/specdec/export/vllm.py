@@ -417,8 +417,8 @@ def write_vllm_medusa(heads: Any, dest: Path, *, num_heads: int, source: str = "
 
 # -- EAGLE -------------------------------------------------------------------------------------
 def _eagle(options: Any, target: str, local: LocalTarget, out: Path | None) -> _Result:
-    from specdec.heads.bundled import EAGLE3_SMOLLM2, bundled_eagle
-    from specdec.heads.eagle_io import load_eagle, save_eagle, vllm_incompatibilities
+    from specdec.heads.bundled import EAGLE3_SMOLLM2, eagle_head
+    from specdec.heads.eagle_io import save_eagle, vllm_incompatibilities
     from specdec.speculators.eagle import EagleTree
 
     if options.dir is None and out is None:  # never write beside the installed package
@@ -427,8 +427,7 @@ def _eagle(options: Any, target: str, local: LocalTarget, out: Path | None) -> _
     dest = out if out is not None else _sibling(source)
     _check_destination(dest, source)
     loaded = local.load()
-    # checks it fits this target
-    head = load_eagle(source, loaded) if options.dir else bundled_eagle(loaded)
+    head = eagle_head(options.dir, loaded)  # checks it fits this target
     problems = vllm_incompatibilities(head.config)
     if problems:
         raise CheckpointError(f"vLLM cannot serve the EAGLE drafter {source}: {problems[0]}")

@@ -270,9 +270,8 @@ def _to_tree(root: int, nodes: list[_Node], keep: list[int]) -> DraftTree:
 @register("eagle", EagleOptions)
 def _build(target: LoadedModel, options: EagleOptions) -> EagleSpeculator:
     """EAGLE-1/3 drafter over the target's features, EAGLE-2 dynamic trees"""
-    from specdec.heads.bundled import bundled_eagle
-    from specdec.heads.eagle_io import load_eagle
+    from specdec.heads.bundled import eagle_head
 
-    head = load_eagle(options.dir, target) if options.dir else bundled_eagle(target)
+    head = eagle_head(options.dir, target)
     tree = EagleTree.parse(options.tree, head.config.speculative_tokens)
     return EagleSpeculator(head, tree)

@@ -8,6 +8,7 @@ bundled head on another model is an error that says how to train one.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from specdec.errors import CheckpointError
@@ -16,6 +17,14 @@ from specdec.target.loading import LoadedModel
 
 HERE = Path(__file__).parent
 EAGLE3_SMOLLM2 = HERE / "eagle3-smollm2-135m-instruct"
+
+
+def eagle_head(path: str | os.PathLike[str] | None, loaded: LoadedModel) -> EagleHead:
+    """The drafter in ``path``, or without one the shipped head (what ``eagle`` with no ``dir``
+    means wherever an EAGLE spec is read: serving, benchmarks, export)."""
+    from specdec.heads.eagle_io import load_eagle
+
+    return load_eagle(path, loaded) if path else bundled_eagle(loaded)
 
 
 def bundled_eagle(loaded: LoadedModel) -> EagleHead:
