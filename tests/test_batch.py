@@ -43,14 +43,18 @@ def _random_path(rng: random.Random, tree: DraftTree) -> list[int]:
     return tree.path_to(node)
 
 
-def test_kv_cache_invariant_after_any_mix_of_steps(tiny64):
+@pytest.mark.parametrize("packed", [True, False])
+def test_kv_cache_invariant_after_any_mix_of_steps(tiny64, packed):
     """Rows join (prefilled in chunks, or several packed into one pass), verify random chains
     and trees, commit random paths, leave; every row's cache equals a fresh prefill of its
     committed tokens after each step, and every tree's logits equal those of its nodes' own
-    chains decoded solo."""
+    chains decoded solo. Both with the trees' nodes packed into one sequence (the default) and
+    with every tree padded to the widest."""
     rng = random.Random(0)
     vocab = tiny64.model.config.vocab_size
-    target = BatchTarget(tiny64, chunk=5)
+    target = BatchTarget(tiny64, chunk=5, packed=packed)
+    assert target.packed is packed
+    computed = []
     committed: list[list[int]] = []  # per row: the tokens its cache must hold (roots excluded)
     roots: list[int] = []
     for step in range(40):
@@ -81,6 +85,7 @@ def test_kv_cache_invariant_after_any_mix_of_steps(tiny64):
             continue
         trees = [_random_tree(rng, root, vocab) for root in roots]
         logits = target.verify(trees)
+        computed.append((target.last_rows, sum(len(t) for t in trees)))
         for r, (tree, row_logits) in enumerate(zip(trees, logits, strict=True)):
             node = len(tree) - 1
             path = tree.path_to(node)
@@ -104,6 +109,12 @@ def test_kv_cache_invariant_after_any_mix_of_steps(tiny64):
                 assert mine is not None
                 assert torch.allclose(mine[0], layer.keys[0], atol=1e-9), (step, r)
                 assert torch.allclose(mine[1], layer.values[0], atol=1e-9), (step, r)
+    # packed: a pass computes only the nodes; padded: rows x widest, more whenever sizes differ
+    if packed:
+        assert all(rows == nodes for rows, nodes in computed)
+    else:
+        assert any(rows > nodes for rows, nodes in computed)
+    assert tiny64.model.config._attn_implementation != "specdec_packed"  # switched back
 
 
 @pytest.mark.parametrize("spec", ["none", "prompt-lookup", "suffix", "lookahead", "auto"])
@@ -292,17 +303,17 @@ def test_batch_budget_rests_after_declining_and_probes_again():
     dear = BatchCosts(CostModel(prior_slope=1.0, frozen=True))  # every row costs a full pass
     budget = BatchBudget(4, dear, probe_every=4)
     poor = [Candidate([0.1] * 4, 4, nodes=4, depth=4)] * 8
-    assert budget.choose(poor) == 0 and budget.resting
+    assert budget.choose(poor) == [0] * 8 and budget.resting
     budget.rest()
     assert budget.resting
     budget.rest()
     assert not budget.resting  # the next step asks again: a probe is due
-    assert budget.choose(poor) == 1
+    assert budget.choose(poor) == [1] * 8
     cheap = BatchCosts(CostModel(prior_slope=0.0, frozen=True))
     eager = BatchBudget(4, cheap, probe_every=2)
     good = [Candidate([0.9] * 4, 4, nodes=4, depth=4)]
     choices = [eager.choose(good) for _ in range(8)]
-    assert choices.count(0) == 1 and choices[-1] == 0
+    assert choices.count([0]) == 1 and choices[-1] == [0]
 
 
 def test_probes_back_off_while_drafting_stays_priced_out():
@@ -315,7 +326,7 @@ def test_probes_back_off_while_drafting_stays_priced_out():
     for step in range(600):
         if budget.resting:
             budget.rest()
-        elif budget.choose(poor) == 1:
+        elif budget.choose(poor) == [1] * 8:
             probes.append(step)
     gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
     assert gaps == sorted(gaps) and gaps[-1] == 64 and gaps[0] < 16
@@ -333,3 +344,22 @@ def test_rows_outgrow_the_first_slot_reserve_outside_inference_mode(tiny64):
         PROMPTS[:3], max_new_tokens=SLOT_STEP + 8, ignore_eos=True, max_batch=2
     )
     assert all(len(r.token_ids) == SLOT_STEP + 8 for r in out)
+
+
+def test_packed_budget_lets_a_confident_sequence_draft_alone():
+    """Compute-bound passes (every row costs the same): drafting for all is priced out, and
+    padded passes (one length for all: every row pays the widest) never draft; packed ones let
+    the one sequence whose drafts are nearly sure draft, and only it."""
+    from specdec.control.batch import BatchBudget, BatchCosts, Candidate
+
+    costs = BatchCosts()
+    for rows in (16, 32, 64):
+        costs.observe(rows, 0.1 + 0.005 * rows)  # T = 100 ms + 5 ms per row
+    sure = Candidate([0.97] * 4, 4, nodes=4, depth=4)
+    unsure = Candidate([0.2] * 4, 4, nodes=4, depth=4)
+    batch = [sure] + [unsure] * 15
+    packed = BatchBudget(4, costs, packed=True).choose(batch)
+    assert packed[0] == 4 and packed[1:] == [0] * 15
+    assert BatchBudget(4, costs, packed=False).choose(batch) == [0] * 16
+    # alone, the unsure sequence's first node pays (a pass's fixed 100 ms dominates a row)
+    assert BatchBudget(4, costs).choose([unsure])[0] >= 1

@@ -27,12 +27,16 @@ Sliding-window layers keep every slot too; the window is in their mask (see
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer, DynamicLayer
 
 from specdec.cache.layout import EMPTY, AttentionLayout
+
+if TYPE_CHECKING:
+    from specdec.batch.target import Packing
 
 SLOT_STEP = 256  # slots are added in steps of this many (a copy of the used part per step)
 
@@ -66,9 +70,16 @@ class SlotLayer(DynamicLayer):
         assert self.keys is not None and self.values is not None
         lo, hi = self._owner.rows
         at = self._owner.write_at
-        end = at + key_states.shape[-2]
-        self.keys[lo:hi, :, at:end] = key_states
-        self.values[lo:hi, :, at:end] = value_states
+        packing = self._owner.packing
+        if packing is None:
+            end = at + key_states.shape[-2]
+            self.keys[lo:hi, :, at:end] = key_states
+            self.values[lo:hi, :, at:end] = value_states
+        else:  # [1, heads, N, dim]: each packed node to its row's slot at + node
+            end = at + packing.width
+            rows, slots = lo + packing.rows, at + packing.cols
+            self.keys[rows, :, slots] = key_states[0].transpose(0, 1)
+            self.values[rows, :, slots] = value_states[0].transpose(0, 1)
         return self.keys[lo:hi, :, :end], self.values[lo:hi, :, :end]
 
     def fit(self) -> None:
@@ -89,7 +100,8 @@ class SlotLayer(DynamicLayer):
         return self._owner.write_at
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self._owner.write_at + query_length, 0
+        packing = self._owner.packing
+        return self._owner.write_at + (query_length if packing is None else packing.width), 0
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("a slot cache is rolled back per row by SlotCache.commit")
@@ -111,6 +123,7 @@ class SlotCache:
         self.capacity = (1, SLOT_STEP)  # (rows, slots) every layer's buffer has room for
         self.rows = (0, 0)  # the rows the current pass covers
         self.write_at = 0  # where the current pass writes
+        self.packing: Packing | None = None  # how the current pass's nodes are packed
         self.lengths: list[int] = []  # entries per row in use
         self.hf = _HFSlotCache(
             [DummyLayer() if kind == EMPTY else SlotLayer(self) for kind in self.layout.layer_types]
@@ -135,12 +148,18 @@ class SlotCache:
         for layer in self._layers():
             layer.fit()
 
-    def begin_pass(self, lo: int, hi: int, write_at: int, new_tokens: int) -> None:
+    def begin_pass(
+        self, lo: int, hi: int, write_at: int, new_tokens: int, packing: Packing | None = None
+    ) -> None:
         """The next forward covers rows ``lo .. hi - 1`` and writes ``new_tokens`` entries per
-        row from slot ``write_at``."""
+        row from slot ``write_at`` (a packed pass: its nodes, at their rows' slots)."""
         self.reserve(hi, write_at + new_tokens)
         self.rows = (lo, hi)
         self.write_at = write_at
+        self.packing = packing
+
+    def end_pass(self) -> None:
+        self.packing = None
 
     def add_row(
         self, keys: Sequence[torch.Tensor | None], values: Sequence[torch.Tensor | None]

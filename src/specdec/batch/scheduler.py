@@ -63,11 +63,12 @@ class StepReport:
     """What one step did, for metrics and tests."""
 
     batch_size: int  # sequences verified in the pass (0: a prefill-only step)
-    width: int  # nodes per sequence in the padded pass
-    draft_length: int  # the batch budget's L for greedy sequences
+    width: int  # the widest sequence's nodes in the pass
+    draft_length: int  # the longest draft the batch budget gave a greedy sequence
     prefill_tokens: int
     seconds: float
     verify_seconds: float
+    rows: int = 0  # token rows the pass computed (packed: all nodes; padded: batch x width)
 
 
 class BatchScheduler:
@@ -97,7 +98,7 @@ class BatchScheduler:
             layers = engine.arms.feature_layers if engine.arms else engine.speculator.feature_layers
             self.target.enable_features(layers)
         self.costs = BatchCosts(engine.cost_model)
-        self.budget = BatchBudget(engine.num_draft_tokens, self.costs)
+        self.budget = BatchBudget(engine.num_draft_tokens, self.costs, packed=self.target.packed)
         self.waiting: deque[BatchSequence] = deque()
         self.running: list[BatchSequence] = []  # index = row in the batch cache
         self.steps = 0
@@ -158,7 +159,9 @@ class BatchScheduler:
         if self.running:
             width, length, verify, events = self._decode()
         self.steps += 1
-        self.last = StepReport(batch, width, length, prefilled, time.perf_counter() - t0, verify)
+        seconds = time.perf_counter() - t0
+        rows = self.target.last_rows if batch else 0
+        self.last = StepReport(batch, width, length, prefilled, seconds, verify, rows)
         return events
 
     def _drop_cancelled(self) -> None:
@@ -217,20 +220,20 @@ class BatchScheduler:
         return fed
 
     def _proposals(self) -> tuple[list[_Proposal], int]:
-        """Every running sequence's proposal for this step, and the batch's ``L``.
+        """Every running sequence's proposal for this step, and the longest length the batch
+        budget gave.
 
         Greedy sequences whose speculator drafts cheaply (no model) draft first, up to their
-        cap; the batch budget then prices each length against the drafts actually at hand (a
-        sequence with no match adds no rows) and cuts them to it. A sequence drafted by a model
-        is sized before drafting, since its draft costs real time. Sampled and fixed-K sequences
-        keep their own budgets."""
+        cap; the batch budget then prices each sequence's nodes against the drafts actually at
+        hand (a sequence with no match adds no rows) and cuts them to what it chose. A sequence
+        drafted by a model is sized before drafting, since its draft costs real time. Sampled
+        and fixed-K sequences keep their own budgets."""
         engine = self.engine
         n = len(self.running)
         budgets = [0] * n
         drafts: dict[int, tuple[DraftTree, float, float]] = {}
         sized: list[int] = []
         candidates: list[Candidate] = []
-        floor = 1
         resting = self.budget.resting
         for i, seq in enumerate(self.running):
             req = seq.req
@@ -241,7 +244,6 @@ class BatchScheduler:
             if not req.config.sampling.greedy or not engine.adaptive:
                 # its own timing-free budget (sampled), or always K (fixed)
                 budgets[i] = req.budget.choose(req.remaining, room)
-                floor = max(floor, 1 + min(budgets[i], engine.num_draft_tokens))
                 continue
             if resting:
                 continue  # the batch drafts nothing this step (see BatchBudget.resting)
@@ -255,13 +257,17 @@ class BatchScheduler:
             else:
                 candidates.append(Candidate(seq.tracker.alphas, cap))
         length = 0
-        if resting:
+        if self.budget.resting:
             self.budget.rest()
         elif candidates:
             self.budget.draft_seconds_per_token = engine.cost_model.draft_seconds_per_token
-            length = self.budget.choose(candidates, n - len(sized), floor)
-            for i, c in zip(sized, candidates, strict=True):
-                budgets[i] = min(length, c.cap)
+            chosen = set(sized)
+            k_max = engine.num_draft_tokens
+            others = [1 + min(budgets[i], k_max) for i in range(n) if i not in chosen]
+            lengths = self.budget.choose(candidates, others)
+            for i, c, k in zip(sized, candidates, lengths, strict=True):
+                budgets[i] = min(k, c.cap)
+            length = max(lengths, default=0)
         proposals: list[_Proposal] = []
         for i, seq in enumerate(self.running):
             if i in drafts:
@@ -284,7 +290,7 @@ class BatchScheduler:
         self.target.commit([a.path for a, _ in accepted])
         seconds = time.perf_counter() - t1
         width = max(len(t) for t in trees)
-        self.costs.observe(len(trees) * width, seconds)
+        self.budget.observe(self.target.last_rows, seconds, drafted=width > 1)
         events: list[tuple[BatchSequence, TokenEvent]] = []
         done: list[int] = []
         for row, (seq, proposal, row_logits, (acceptance, scored)) in enumerate(

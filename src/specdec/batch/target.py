@@ -3,9 +3,20 @@
 Each sequence brings its own tree (chains and trees of any size), its own positions (its
 committed length plus the node's depth), and its own mask over its own cache row: its committed
 slots and, among the pass's new slots, its tree ancestors (see :mod:`specdec.batch.cache` for
-the layout). Trees shorter than the longest are padded; a padding query sees only its own slot,
-so no softmax row is empty, and its logits are dropped. Sliding-window layers get the same mask
-cut to the window on each query's and key's own positions, as in :mod:`specdec.target.masks`.
+the layout). Sliding-window layers get the same mask cut to the window on each query's and
+key's own positions, as in :mod:`specdec.target.masks`.
+
+**Packed (ragged) passes.** The projections, MLPs and LM head, which are nearly all of a pass's
+arithmetic, run over the trees' nodes packed into one sequence of ``sum(len(tree))`` tokens, not
+over ``rows x widest tree``: one sequence drafting four tokens adds four rows to the pass, not
+four per sequence. Only attention, which reads each row's own cache, sees the padded
+``[rows, widest, ...]`` layout: :func:`packed_attention` scatters the packed queries into it and
+gathers the outputs back, and the cache writes each packed key at its row's slot. So the cost of
+a pass is T(total nodes) and the batch budget can let one confident sequence draft while the
+others do not. This is transformers' public attention interface
+(``AttentionInterface.register``), switched on for the pass only; a model whose attention is not
+one registered there (eager) gets the padded pass, where a padding query sees only its own
+slot, so no softmax row is empty, and its logits are dropped.
 
 Prefill runs beside the batch, one chunk per call, on a private single-sequence cache
 (:class:`~specdec.target.ModelRunner`); a finished prefill is copied into a new row once. A
@@ -14,10 +25,16 @@ newcomer therefore delays the others by at most one chunk per step, never by its
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from specdec.batch.cache import SlotCache
 from specdec.cache.layout import FULL, SLIDING
@@ -25,6 +42,118 @@ from specdec.target import LoadedModel, ModelRunner
 from specdec.tree import DraftTree
 
 DEFAULT_CHUNK = 64  # prompt tokens per prefill call
+PACKED_ATTENTION = "specdec_packed"
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Where each token of a packed pass sits in the padded ``[rows, width]`` layout.
+
+    Attention runs in two parts: every row's root (one query per row, the cheap case) and the
+    other nodes of the rows that drafted, over those rows' caches only. One padded call would
+    make every row attend ``width`` queries over its whole cache, which on a CPU costs about as
+    much as the projections of the extra nodes themselves."""
+
+    rows: torch.Tensor  # [N] row (within the pass) of each packed token
+    cols: torch.Tensor  # [N] its node index in that row's tree
+    n: int
+    width: int
+    base: Callable[..., tuple[torch.Tensor, Any]]  # the model's own attention function
+    roots: torch.Tensor  # [n] packed index of each row's root
+    drafted: torch.Tensor  # [d] the rows with more than a root
+    rest: torch.Tensor  # [M] packed index of every other node
+    rest_rows: torch.Tensor  # [M] its row's index among ``drafted``
+
+    @classmethod
+    def of(
+        cls, sizes: Sequence[int], base: Callable[..., tuple[torch.Tensor, Any]], device: Any
+    ) -> Packing:
+        rows = torch.cat([torch.full((k,), r, dtype=torch.long) for r, k in enumerate(sizes)])
+        cols = torch.cat([torch.arange(k) for k in sizes])
+        starts = torch.tensor([0, *sizes[:-1]], dtype=torch.long).cumsum(0)
+        drafted = [r for r, k in enumerate(sizes) if k > 1]
+        among = torch.full((len(sizes),), -1, dtype=torch.long)
+        among[drafted] = torch.arange(len(drafted))
+        rest = (cols > 0).nonzero().squeeze(1)
+        return cls(
+            rows.to(device),
+            cols.to(device),
+            len(sizes),
+            max(sizes),
+            base,
+            starts.to(device),
+            torch.tensor(drafted, dtype=torch.long, device=device),
+            rest.to(device),
+            among[rows[rest]].to(device),
+        )
+
+
+_PACKING: ContextVar[Packing | None] = ContextVar("specdec_packing", default=None)
+
+
+def packed_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, heads, N, head_dim]: the pass's nodes, packed
+    key: torch.Tensor,  # [rows, kv_heads, slots, head_dim]: each row's own cache
+    value: torch.Tensor,
+    attention_mask: torch.Tensor,  # [rows, 1, width, slots]
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The model's own attention function over each row's cache, for packed queries (see
+    :class:`Packing`): the roots in one call, the drafted rows' other nodes in another."""
+    p = _PACKING.get()
+    if p is None:
+        raise RuntimeError(f"the {PACKED_ATTENTION!r} attention runs only inside a packed pass")
+    flat = query[0].transpose(0, 1)  # [N, heads, head_dim]
+    out = torch.empty_like(flat)
+    roots = flat[p.roots][:, :, None]  # [n, heads, 1, head_dim]
+    first, _ = p.base(module, roots, key, value, attention_mask[:, :, :1], **kwargs)
+    out[p.roots] = first[:, 0]  # [n, 1, heads, head_dim] -> [n, heads, head_dim]
+    if p.rest.numel():
+        d = p.drafted.numel()
+        padded = query.new_zeros(d, flat.shape[1], p.width - 1, flat.shape[2])
+        padded[p.rest_rows, :, p.cols[p.rest] - 1] = flat[p.rest]
+        keys, values = key.index_select(0, p.drafted), value.index_select(0, p.drafted)
+        mask = attention_mask.index_select(0, p.drafted)[:, :, 1:]
+        others, _ = p.base(module, padded, keys, values, mask, **kwargs)  # [d, w-1, h, hd]
+        out[p.rest] = others[p.rest_rows, p.cols[p.rest] - 1]
+    return out[None], None  # [1, N, heads, head_dim]
+
+
+def _register_packed() -> None:
+    AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+    AttentionMaskInterface.register(PACKED_ATTENTION, sdpa_mask)
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+@contextmanager
+def _packed(model: torch.nn.Module, packing: Packing) -> Iterator[None]:
+    """Route ``model``'s attention through :func:`packed_attention` for one pass."""
+    config = model.config
+    previous = config._attn_implementation
+    token = _PACKING.set(packing)
+    config._attn_implementation = PACKED_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+        _PACKING.reset(token)
+
+
+def _base_attention(model: torch.nn.Module) -> Callable[..., tuple[torch.Tensor, Any]] | None:
+    """The registered attention function the model uses, or ``None`` (eager, or unknown): then
+    passes are padded."""
+    name = getattr(model.config, "_attn_implementation", None)
+    if not isinstance(name, str) or name == PACKED_ATTENTION:
+        return None
+    try:
+        return ALL_ATTENTION_FUNCTIONS[name]
+    except KeyError:
+        return None
 
 
 @dataclass
@@ -56,7 +185,9 @@ class BatchTarget:
     Rows are addressed by index into the cache (the prefix of rows in use); the scheduler
     keeps the mapping from its sequences to rows and applies :meth:`remove`'s move."""
 
-    def __init__(self, loaded: LoadedModel, *, chunk: int = DEFAULT_CHUNK) -> None:
+    def __init__(
+        self, loaded: LoadedModel, *, chunk: int = DEFAULT_CHUNK, packed: bool = True
+    ) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.runner = ModelRunner(loaded.model)  # for its settings: device, dtype, hidden layers
@@ -66,7 +197,16 @@ class BatchTarget:
         self.hidden_layers: tuple[int, ...] = (-1,)
         self.features: list[torch.Tensor | None] = []  # per row, as HFTarget.features
         self._write_at = 0
-        self._tree_sizes: list[int] = []
+        self._hidden: list[torch.Tensor] | None = None
+        self._base = _base_attention(loaded.model) if packed else None
+        if self._base is not None:
+            _register_packed()
+        self.last_rows = 0  # token rows the last pass computed (packed: its nodes)
+
+    @property
+    def packed(self) -> bool:
+        """Whether passes are packed (their cost is T(total nodes), not T(rows x widest))."""
+        return self._base is not None
 
     @property
     def device(self) -> torch.device:
@@ -184,7 +324,8 @@ class BatchTarget:
         if n != len(self.cache):
             raise ValueError(f"{n} trees for {len(self.cache)} rows: every row takes part")
         lengths = torch.tensor(self.cache.lengths, dtype=torch.long)  # [n]
-        width = max(len(t) for t in trees)
+        sizes = [len(t) for t in trees]
+        width = max(sizes)
         at = int(lengths.max())
         ids = torch.empty(n, width, dtype=torch.long)
         depth = torch.empty(n, width, dtype=torch.long)
@@ -192,7 +333,7 @@ class BatchTarget:
         new = torch.eye(width, dtype=torch.bool).repeat(n, 1, 1)
         pad = torch.arange(width)
         for r, tree in enumerate(trees):
-            size = len(tree)
+            size = sizes[r]
             ids[r] = tree.tokens[0]
             ids[r, :size] = torch.tensor(tree.tokens)
             depth[r] = pad
@@ -217,22 +358,40 @@ class BatchTarget:
         device = self.device
         masks = {k: m.to(device) for k, m in masks.items()}
         mask = masks if layout.mixed else next(iter(masks.values()))
-        self.cache.begin_pass(0, n, at, width)
-        out = self.model(
-            input_ids=ids.to(device),
-            position_ids=positions.to(device),
-            attention_mask=mask,
-            use_cache=True,
-            output_hidden_states=self.output_hidden,
-            **{self.runner.cache_keyword: self.cache.hf},
-        )
+        packing: Packing | None = None
+        if self._base is not None and sum(sizes) < n * width:
+            packing = Packing.of(sizes, self._base, device)
+            rows, cols = packing.rows.cpu(), packing.cols.cpu()
+            ids, positions = ids[rows, cols][None], positions[rows, cols][None]  # [1, N]
+        self.cache.begin_pass(0, n, at, width, packing)
+        kwargs = {self.runner.cache_keyword: self.cache.hf}
+        try:
+            with _packed(self.model, packing) if packing is not None else _nothing():
+                out = self.model(
+                    input_ids=ids.to(device),
+                    position_ids=positions.to(device),
+                    attention_mask=mask,
+                    use_cache=True,
+                    output_hidden_states=self.output_hidden,
+                    **kwargs,
+                )
+        finally:
+            self.cache.end_pass()
         self._write_at = at
-        self._tree_sizes = [len(t) for t in trees]
-        self._hidden: torch.Tensor | None = None
+        self.last_rows = sum(sizes) if packing is not None else n * width
+        self._hidden = None
+        if packing is not None:
+            logits = list(torch.split(out.logits[0], sizes))
+        else:
+            logits = [out.logits[r, :k] for r, k in enumerate(sizes)]
         if self.output_hidden:
             states = out.hidden_states
-            self._hidden = torch.cat([states[i] for i in self.hidden_layers], -1)  # [n, T, H]
-        return [out.logits[r, : len(t)] for r, t in enumerate(trees)]
+            hidden = torch.cat([states[i] for i in self.hidden_layers], -1)  # [n or 1, T, H]
+            if packing is not None:
+                self._hidden = list(torch.split(hidden[0], sizes))
+            else:
+                self._hidden = [hidden[r, :k] for r, k in enumerate(sizes)]
+        return logits
 
     @torch.inference_mode()
     def commit(self, paths: Sequence[Sequence[int]]) -> None:
@@ -240,4 +399,4 @@ class BatchTarget:
         self.cache.commit(self._write_at, paths)
         if self._hidden is not None:
             for r, path in enumerate(paths):
-                self.features[r] = self._hidden[r, list(path)]
+                self.features[r] = self._hidden[r][list(path)]

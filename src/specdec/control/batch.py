@@ -1,14 +1,14 @@
 """Draft sizes for a whole batch, from the measured cost of a batched pass.
 
-Batching and speculation spend the same thing: rows of one verification pass. A pass over B
-sequences each bringing a tree of ``w`` nodes costs T(B x w) (trees are padded to the widest),
-and on a CPU T grows slowly for a handful of rows and then about linearly once the pass is
-bound by arithmetic. So the draft length that pays for one request alone can cost more than it
-brings in a full batch, which is why serving engines turn speculation off above a batch size.
-Instead of a threshold, :class:`BatchBudget` prices every candidate draft length ``L`` for the
-batch from the measured curve and each sequence's acceptance estimate, and drafts the ``L``
-that maximises committed tokens per second (``L = 0``, plain batched decoding, when drafting
-does not pay). With one sequence this is the single-request adaptive budget.
+Batching and speculation spend the same thing: rows of one verification pass. A packed pass
+over B sequences costs T(total nodes) (each sequence's tree, root included; see
+:mod:`specdec.batch.target`), and on a CPU T grows slowly for a handful of rows and then about
+linearly once the pass is bound by arithmetic. So the draft that pays for one request alone can
+cost more than it brings in a full batch, which is why serving engines turn speculation off
+above a batch size. Instead of a threshold, :class:`BatchBudget` prices drafts node by node from
+the measured curve and each sequence's acceptance estimate, and takes the nodes that maximise
+committed tokens per second: all of them for one request alone (the single-request adaptive
+budget), a few of the most likely ones in a large batch, none when batching fills the pass.
 
 Only greedy sequences follow the batch's choice: a sampled sequence's output depends on its
 drafts (they consume its random numbers), so it keeps its own timing-free budget and its seeded
@@ -31,7 +31,8 @@ class BatchCosts:
     Per measured row count, a moving average; between measured counts, linear interpolation;
     outside them, a decayed least-squares line T = a + b x rows over all passes (the pass is
     bound by streaming the weights at few rows and by arithmetic at many, so the line's slope is
-    what extra rows cost where the batch runs); before two distinct row counts are seen, the
+    what extra rows cost where the batch runs, added to the measured end so the curve stays
+    continuous); before two distinct row counts are seen, the
     measured end scaled by the single-sequence curve ``shape``. Extrapolating with that flat
     shape alone would price the rows a draft adds at almost nothing once the pass is
     compute-bound, and the budget would keep drafting when batching has filled the pass."""
@@ -90,11 +91,11 @@ class BatchCosts:
             lo, hi = known[i - 1], known[i]
             f = (rows - lo) / (hi - lo)
             return (1 - f) * self.seconds[lo] + f * self.seconds[hi]
-        fitted = self.line()
-        if fitted is not None:
-            a, b = fitted
-            return a + b * rows
         end = known[0] if i == 0 else known[-1]
+        fitted = self.line()
+        if fitted is not None:  # the line's slope from the measured end it lies beyond
+            a, b = fitted
+            return max(a + b * rows, self.seconds[end] + b * (rows - end))
         return self.seconds[end] * self.shape.ratio(rows) / self.shape.ratio(end)
 
 
@@ -119,18 +120,33 @@ class Candidate:
 
 @dataclass
 class BatchBudget:
-    """Chooses one draft length for the batch's greedy sequences each step (see module doc).
+    """Chooses every greedy sequence's draft length each step (see module doc).
+
+    With packed passes (:mod:`specdec.batch.target`) a pass costs T(total nodes), so lengths are
+    chosen per sequence: every draft position of every sequence is a candidate node worth its
+    probability of being accepted (the chance that it and all before it are), and the budget
+    takes the most valuable nodes first, as many as raise committed tokens per second. A
+    confident sequence drafts while the others do not. With padded passes (an eager attention
+    model), T(rows x widest) makes one length for all the better buy, so those are priced too.
+
+    A step with drafts costs more than T(rows) of a plain step with as many rows (the packed
+    attention's second call, the commit's moves, the acceptance work: ~5-9% on the bundled
+    model in a full batch, where drafting's margin is that thin), so ``costs`` learns from
+    plain steps only and drafted steps teach ``overhead``, the moving ratio of their measured
+    time to ``costs``' price for their rows (see :meth:`observe`).
 
     Probes keep the estimates honest: after ``probe_every`` steps without drafts it drafts one
-    token (each probe that finds drafting still priced out doubles the gap, up to 32x: at a full
-    batch a probe's wider pass costs up to a whole extra pass, so at most ~0.4% of the time);
-    after ``4 x probe_every`` steps of drafting it drafts nothing once, so the cost of the plain
+    token (each probe that finds drafting still priced out doubles the gap, up to 32x); after
+    ``4 x probe_every`` steps of drafting it drafts nothing once, so the cost of the plain
     batched pass stays measured."""
 
     num_draft_tokens: int
     costs: BatchCosts = field(default_factory=BatchCosts)
     draft_seconds_per_token: float = 0.0
     probe_every: int = 8
+    packed: bool = True
+    overhead: float = 1.05  # drafted step time / T(rows) of plain steps, learned
+    overhead_decay: float = 0.9
     _idle: int = 0
     _busy: int = 0
     _gap: int = 0  # steps between probes now: doubles while probes find drafting priced out
@@ -149,55 +165,93 @@ class BatchBudget:
     def rest(self) -> None:
         self._idle += 1
 
-    def choose(self, seqs: Sequence[Candidate], others: int = 0, floor_width: int = 1) -> int:
-        """The draft length ``L`` (each sequence drafts or keeps ``min(L, its draft)``).
-        ``others`` sequences of the pass are not sized here (sampled or plain ones, with their
-        own drafts, the widest ``floor_width`` nodes): they add rows and floor the width.
+    def observe(self, rows: int, seconds: float, drafted: bool) -> None:
+        """Learn from a timed pass: T(rows) from plain ones, ``overhead`` from drafted ones."""
+        if not drafted:
+            self.costs.observe(rows, seconds)
+            return
+        price = self.costs.cost(rows)
+        if rows >= 1 and price > 0 and seconds > 0:
+            ratio = min(2.0, max(0.8, seconds / price))
+            d = self.overhead_decay
+            self.overhead = d * self.overhead + (1 - d) * ratio
+
+    def _rate(
+        self, seqs: Sequence[Candidate], lengths: Sequence[int], others: Sequence[int]
+    ) -> float:
+        takes = [s.takes(k) for s, k in zip(seqs, lengths, strict=True)]
+        if self.packed:
+            rows = sum(others) + sum(1 + nodes for nodes, _ in takes)
+        else:
+            width = max(max(others, default=1), 1 + max(nodes for nodes, _ in takes))
+            rows = (len(seqs) + len(others)) * width
+        drafting = sum(nodes for (nodes, _), s in zip(takes, seqs, strict=True) if s.nodes is None)
+        seconds = self.costs.cost(rows) * (self.overhead if any(lengths) else 1.0)
+        seconds += self.draft_seconds_per_token * drafting
+        pairs = zip(seqs, takes, strict=True)
+        tokens = sum(expected_tokens(list(s.alphas), depth) for s, (_, depth) in pairs)
+        return tokens / seconds if seconds > 0 else 0.0
+
+    def _allocations(self, seqs: Sequence[Candidate], tops: Sequence[int]) -> list[list[int]]:
+        """The allocations worth pricing: the most valuable nodes first (each sequence's in
+        order), one more node at a time; and every length for all alike."""
+        nodes: list[tuple[float, int, int]] = []  # (-value, seq, length)
+        for i, (s, top) in enumerate(zip(seqs, tops, strict=True)):
+            value, before = 1.0, expected_tokens(list(s.alphas), 0)
+            for k in range(1, top + 1):
+                now = expected_tokens(list(s.alphas), s.takes(k)[1])
+                value = min(value, now - before)  # never above an earlier node of its own
+                before = now
+                nodes.append((-value, i, k))
+        nodes.sort()
+        lengths = [0] * len(seqs)
+        out = [list(lengths)]
+        for _, i, k in nodes:
+            lengths[i] = k
+            out.append(list(lengths))
+        for length in range(1, max(tops, default=0) + 1):
+            out.append([min(length, top) for top in tops])
+        return out
+
+    def choose(self, seqs: Sequence[Candidate], others: Sequence[int] = ()) -> list[int]:
+        """Each sequence's draft length (it drafts, or keeps, ``min(length, its draft)``).
+        ``others`` are the tree sizes (nodes, root included) of the pass's sequences not sized
+        here: sampled or plain ones, with their own drafts.
 
         >>> costs = BatchCosts(CostModel(prior_slope=0.1, frozen=True))
         >>> BatchBudget(4, costs).choose([Candidate([0.9] * 4, 4)])
-        4
+        [4]
         >>> BatchBudget(4, costs).choose([Candidate([0.05] * 4, 4)] * 16)
-        0
+        [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
         >>> BatchBudget(4, costs).choose([Candidate([0.9] * 4, 4, nodes=2, depth=2)])
-        2
+        [2]
+        >>> BatchBudget(4, costs).choose([Candidate([0.9] * 4, 4)] + [Candidate([0.05] * 4, 4)])
+        [4, 0]
         """
         if not seqs:
-            return 0
-        n = len(seqs) + others
-        floor = max(1, floor_width)
-        top = max(min(self.num_draft_tokens, s.cap if s.nodes is None else s.nodes) for s in seqs)
-        best_l, best_rate = 0, -1.0
-        for length in range(top + 1):
-            takes = [s.takes(length) for s in seqs]
-            width = max(floor, 1 + max(nodes for nodes, _ in takes))
-            drafting = sum(
-                nodes for (nodes, _), s in zip(takes, seqs, strict=True) if s.nodes is None
-            )
-            seconds = self.costs.cost(n * width) + self.draft_seconds_per_token * drafting
-            tokens = sum(
-                expected_tokens(list(s.alphas), depth)
-                for s, (_, depth) in zip(seqs, takes, strict=True)
-            )
-            rate = tokens / seconds if seconds > 0 else 0.0
+            return []
+        tops = [min(self.num_draft_tokens, s.cap if s.nodes is None else s.nodes) for s in seqs]
+        best, best_rate = [0] * len(seqs), -1.0
+        for lengths in self._allocations(seqs, tops):
+            rate = self._rate(seqs, lengths, others)
             if rate > best_rate * (1 + 1e-9):
-                best_l, best_rate = length, rate
+                best, best_rate = lengths, rate
         probed, self._probed = self._probed, False
-        if best_l == 0:
+        if not any(best):
             self._busy = 0
-            if top > 0:
+            if any(tops):
                 if probed:  # the probe's pass confirmed it: probe half as often (to 32x)
                     self._gap = min(2 * self._gap, 32 * self.probe_every)
                 self._idle += 1
                 if self._idle >= self._gap:
                     self._idle = 0
                     self._probed = True
-                    return 1
-            return 0
+                    return [min(1, top) for top in tops]
+            return best
         self._gap = self.probe_every
         self._idle = 0
         self._busy += 1
         if self._busy >= 4 * self.probe_every:
             self._busy = 0
-            return 0
-        return best_l
+            return [0] * len(seqs)
+        return best

@@ -136,7 +136,7 @@ class ServerMetrics:
         )
         self.draft_length = Histogram(
             "specdec_batch_draft_length",
-            "Draft length the batch budget chose per step for greedy sequences (0: none).",
+            "Longest draft the batch budget gave a greedy sequence per step (0: none drafted).",
             buckets=(0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16),
             registry=r,
         )
