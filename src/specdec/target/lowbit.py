@@ -221,6 +221,15 @@ class Int8WeightLinear(nn.Module):
         return _nbytes(self.qweight, self.scale, self.bias)
 
 
+def _has_vnni() -> bool:
+    """Whether the CPU multiplies u8 x s8 into int32 directly (AVX512-VNNI / AVX-VNNI / AMX)."""
+    probe = getattr(torch.cpu, "_is_vnni_supported", None)
+    try:
+        return bool(probe()) if probe is not None else False
+    except RuntimeError:
+        return False
+
+
 class DynamicInt8Linear(nn.Module):
     """8-bit weights per output channel, activations quantised to 8 bits per row on the fly,
     integer GEMM through oneDNN (u8s8, AMX/VNNI), rescaled to fp32.
@@ -228,7 +237,14 @@ class DynamicInt8Linear(nn.Module):
     Row ``i`` of the output depends on row ``i`` of the input alone, bit for bit: its
     activation scale is its own absolute maximum / 127 and the GEMM accumulates exactly in
     int32. So one row and the same row among k others give identical results, which keeps
-    greedy speculation token-identical to plain decoding under these numerics."""
+    greedy speculation token-identical to plain decoding under these numerics.
+
+    Without VNNI (AVX2 only, e.g. many AMD EPYC parts) oneDNN multiplies u8 x s8 pairs into a
+    saturating int16 (``vpmaddubsw``): 255 x 127 x 2 overflows it, and a full-range row came
+    out 16% off. There activations use 7 bits (scale max / 63, codes 1..127), which cannot
+    saturate; PyTorch's own x86 quantisation reduces the range for the same reason."""
+
+    levels: int = 127  # activation code magnitude; set per CPU in __init__
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -240,17 +256,19 @@ class DynamicInt8Linear(nn.Module):
         self.packed = torch.ops.onednn.qlinear_prepack(qweight, None)
         self.zero_points = torch.zeros(self.out_features, dtype=torch.int64)
         self.bias = _bias(linear)
+        self.levels = 127 if _has_vnni() else 63
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).float()  # [T, K]
-        row_scale = x2.abs().amax(-1, keepdim=True).clamp_min_(1e-30).div_(127)  # [T, 1]
-        # |x / row_scale| <= 127 by construction; +128 makes the unsigned code oneDNN reads
-        xq = torch.round(x2 / row_scale).add_(128).to(torch.uint8)
+        levels = self.levels
+        row_scale = x2.abs().amax(-1, keepdim=True).clamp_min_(1e-30).div_(levels)  # [T, 1]
+        # |x / row_scale| <= levels by construction; + levels + 1 makes the unsigned code
+        xq = torch.round(x2 / row_scale).add_(levels + 1).to(torch.uint8)
         y = torch.ops.onednn.qlinear_pointwise(
             xq,
             1.0,
-            128,
+            levels + 1,
             self.packed,
             self.scale,
             self.zero_points,
