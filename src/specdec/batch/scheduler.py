@@ -257,7 +257,7 @@ class BatchScheduler:
             else:
                 candidates.append(Candidate(seq.tracker.alphas, cap))
         length = 0
-        if self.budget.resting:
+        if resting:
             self.budget.rest()
         elif candidates:
             self.budget.draft_seconds_per_token = engine.cost_model.draft_seconds_per_token

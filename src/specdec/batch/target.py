@@ -26,7 +26,7 @@ newcomer therefore delays the others by at most one chunk per step, never by its
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
@@ -123,11 +123,6 @@ def packed_attention(
 def _register_packed() -> None:
     AttentionInterface.register(PACKED_ATTENTION, packed_attention)
     AttentionMaskInterface.register(PACKED_ATTENTION, sdpa_mask)
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 @contextmanager
@@ -366,7 +361,7 @@ class BatchTarget:
         self.cache.begin_pass(0, n, at, width, packing)
         kwargs = {self.runner.cache_keyword: self.cache.hf}
         try:
-            with _packed(self.model, packing) if packing is not None else _nothing():
+            with _packed(self.model, packing) if packing is not None else nullcontext():
                 out = self.model(
                     input_ids=ids.to(device),
                     position_ids=positions.to(device),
