@@ -4,13 +4,16 @@ For each server configuration (speculation on and off, both with ``--max-batch``
 load generator of ``bench/load_test.py`` at each concurrency level, reads the batch-size and
 draft-length histograms from ``/metrics`` before and after every level, and checks every
 response: greedy requests for the same prompt must return the same text at every concurrency
-("mixed" counts those that do not) and make exactly ``--max-tokens`` tokens ("truncated"). Then
+("mixed" counts those that do not) and make exactly the tokens they asked for ("truncated"):
+``--max-tokens`` each, or with ``--lengths`` one drawn per request (equal lengths keep a plain
+server's batch in lockstep, every sequence finishing on the same step; real traffic does not,
+and a speculating server never does, since each sequence advances at its own acceptance). Then
 a soak: ``--soak`` requests from 16 clients, a third of them hung up mid-stream at a random
 chunk, with the server's RSS sampled throughout. Writes ``report.md``, ``report.json`` and
 ``throughput.png`` into ``--out``. Usage::
 
     .venv/bin/python bench/batching.py --out docs/bench-batching --threads 1 \\
-        --concurrency 1,4,16,32 --soak 500
+        --concurrency 1,4,16,32 --repeats 3 --soak 500
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import argparse
 import json
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -106,6 +110,7 @@ class Result:
     gaps: list[float] = field(default_factory=list)
     hung_up: bool = False
     error: str | None = None
+    wanted: int = 0  # the request's max_tokens
 
 
 def stream_one(
@@ -143,31 +148,39 @@ def stream_one(
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
             if hang_up_at is not None and len(arrivals) >= hang_up_at:
-                return Result(True, prompt, "".join(parts), hung_up=True)
+                return Result(True, prompt, "".join(parts), hung_up=True, wanted=max_tokens)
     gaps = [b - a for a, b in zip(arrivals[:-1], arrivals[1:], strict=False)]
     ttft = arrivals[0] - sent if arrivals else 0.0
-    return Result(True, prompt, "".join(parts), tokens, ttft, gaps)
+    return Result(True, prompt, "".join(parts), tokens, ttft, gaps, wanted=max_tokens)
 
 
 def run_clients(
     server: ServerProcess,
     clients: int,
     requests: int,
-    max_tokens: int,
+    lengths: int | list[int],
     hang_up: float = 0.0,
     seed: int = 0,
 ) -> tuple[list[Result], float]:
+    """``lengths``: every request's max_tokens, or a list to draw each one from (seeded: both
+    servers get the same plan)."""
     local = threading.local()
     rng = random.Random(seed)
+    draw = random.Random(seed + 1)
+    choices = lengths if isinstance(lengths, list) else [lengths]
     plan = [
-        (i % len(PROMPTS), rng.randrange(1, 6) if rng.random() < hang_up else None)
+        (
+            i % len(PROMPTS),
+            rng.randrange(1, 6) if rng.random() < hang_up else None,
+            draw.choice(choices),
+        )
         for i in range(requests)
     ]
 
     def task(i: int) -> Result:
         if not hasattr(local, "client"):
             local.client = httpx.Client(base_url=server.url, timeout=600.0)
-        prompt, hang = plan[i]
+        prompt, hang, max_tokens = plan[i]
         try:
             return stream_one(local.client, server.model, prompt, max_tokens, hang)
         except httpx.HTTPError as e:
@@ -199,16 +212,20 @@ def mean_of(hist: dict[str, int]) -> float:
 
 
 def level(
-    server: ServerProcess, clients: int, requests: int, max_tokens: int, refs: dict[int, str]
+    server: ServerProcess,
+    clients: int,
+    requests: int,
+    lengths: int | list[int],
+    refs: dict[tuple[int, int], str],
 ) -> dict[str, Any]:
     before = server.metrics()
-    results, wall = run_clients(server, clients, requests, max_tokens)
+    results, wall = run_clients(server, clients, requests, lengths)
     after = server.metrics()
     good = [r for r in results if r.ok]
     for r in good:
-        refs.setdefault(r.prompt, r.text)
-    mixed = sum(1 for r in good if r.text != refs[r.prompt])
-    truncated = sum(1 for r in good if r.tokens != max_tokens)
+        refs.setdefault((r.prompt, r.wanted), r.text)
+    mixed = sum(1 for r in good if r.text != refs[r.prompt, r.wanted])
+    truncated = sum(1 for r in good if r.tokens != r.wanted)
     gaps = [g for r in good for g in r.gaps]
     batch = histogram(before["batch"], after["batch"])
     draft = histogram(before["draft"], after["draft"])
@@ -231,10 +248,45 @@ def level(
         "draft_hist": draft,
         "draft_mean": round(mean_of(draft), 2),
         "errors": sorted({r.error for r in results if r.error})[:3],
+        "_gaps": gaps,
+        "_ttfts": [r.ttft for r in good],
     }
 
 
-def soak(server: ServerProcess, requests: int, max_tokens: int, refs: dict[int, str]) -> dict:
+def merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One level's repeats as one row: counts and histograms summed, latencies pooled,
+    throughput the median run's (``tok_s_runs`` keeps every run's)."""
+    if len(runs) == 1:
+        out = dict(runs[0])
+    else:
+        out = {"clients": runs[0]["clients"]}
+        for key in ("requests", "lost", "mixed", "truncated", "tokens"):
+            out[key] = sum(r[key] for r in runs)
+        out["wall_s"] = round(sum(r["wall_s"] for r in runs), 2)
+        out["tok_s"] = round(statistics.median(r["tok_s"] for r in runs), 2)
+        gaps = [g for r in runs for g in r["_gaps"]]
+        ttfts = [t for r in runs for t in r["_ttfts"]]
+        out["ttft_p50_s"] = round(percentile(ttfts, 50), 3)
+        out["ttft_p99_s"] = round(percentile(ttfts, 99), 3)
+        out["itl_p50_ms"] = round(1000 * percentile(gaps, 50), 1)
+        out["itl_p99_ms"] = round(1000 * percentile(gaps, 99), 1)
+        for key in ("batch", "draft"):
+            hist: dict[str, int] = {}
+            for r in runs:
+                for k, v in r[f"{key}_hist"].items():
+                    hist[k] = hist.get(k, 0) + v
+            out[f"{key}_hist"] = hist
+            out[f"{key}_mean"] = round(mean_of(hist), 2)
+        out["errors"] = sorted({e for r in runs for e in r["errors"]})[:3]
+    out["tok_s_runs"] = [r["tok_s"] for r in runs]
+    out.pop("_gaps", None)
+    out.pop("_ttfts", None)
+    return out
+
+
+def soak(
+    server: ServerProcess, requests: int, max_tokens: int, refs: dict[tuple[int, int], str]
+) -> dict:
     samples: list[int] = []
     stop = threading.Event()
 
@@ -257,8 +309,8 @@ def soak(server: ServerProcess, requests: int, max_tokens: int, refs: dict[int, 
     health = httpx.get(f"{server.url}/health", timeout=5).json()
     whole = [r for r in results if r.ok and not r.hung_up]
     for r in whole:
-        refs.setdefault(r.prompt, r.text)
-    mixed = sum(1 for r in whole if r.text != refs[r.prompt])
+        refs.setdefault((r.prompt, r.wanted), r.text)
+    mixed = sum(1 for r in whole if r.text != refs[r.prompt, r.wanted])
     return {
         "requests": requests,
         "hung_up": sum(1 for r in results if r.hung_up),
@@ -316,9 +368,11 @@ def markdown(configs: list[dict[str, Any]], soaked: dict[str, Any] | None, cmd: 
                 f"{lv['truncated']} |"
             )
     if len(configs) == 2:
-        lines += ["", "| clients | speculation tok/s ÷ plain tok/s |", "|---|---|"]
+        lines += ["", "| clients | speculation tok/s ÷ plain tok/s | per repeat |", "|---|---|---|"]
         for a, b in zip(configs[0]["levels"], configs[1]["levels"], strict=True):
-            lines.append(f"| {a['clients']} | {a['tok_s'] / b['tok_s']:.2f} |")
+            each = [x / y for x, y in zip(a["tok_s_runs"], b["tok_s_runs"], strict=True)]
+            cells = ", ".join(f"{r:.2f}" for r in each)
+            lines.append(f"| {a['clients']} | {statistics.median(each):.2f} | {cells} |")
     if soaked:
         lines += ["", "Soak (16 clients, a third hung up mid-stream):", ""]
         keys = [k for k in soaked if k != "rss_series_mb"]
@@ -338,17 +392,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", default="1,4,16,32")
     ap.add_argument("--requests", type=int, default=0, help="per level (default 2 x clients, >= 8)")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument(
+        "--lengths",
+        default="",
+        help="comma-separated max_tokens to draw each request's from (seeded, the same plan "
+        "for both servers); default: every request --max-tokens",
+    )
+    ap.add_argument(
+        "--per-client", type=int, default=2, help="requests per client and level (at least 8)"
+    )
     ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--speculator", default="prompt-lookup")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cpus", default=None, help="taskset CPU list for the servers")
+    ap.add_argument(
+        "--repeats", type=int, default=1, help="runs per level and server, order alternating"
+    )
     ap.add_argument("--soak", type=int, default=500, help="soak requests (0: none)")
     ap.add_argument("--model-args", default="", help="extra serve arguments (e.g. --model DIR)")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     levels = [int(c) for c in args.concurrency.split(",")]
     cmd = "python bench/batching.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    refs: dict[int, str] = {}  # greedy text per prompt, shared by both servers
+    refs: dict[tuple[int, int], str] = {}  # greedy text per (prompt, max_tokens), both servers
+    lengths: int | list[int] = args.max_tokens
+    if args.lengths:
+        lengths = [int(n) for n in args.lengths.split(",")]
     soaked = None
     servers: dict[str, ServerProcess] = {}
     try:
@@ -364,10 +433,16 @@ def main(argv: list[str] | None = None) -> int:
             run_clients(servers[label], 1, 2, 8)  # warm-up
         rows: dict[str, list[dict[str, Any]]] = {label: [] for label in servers}
         for c in levels:
-            n = args.requests or max(8, 2 * c)
-            for label, server in servers.items():
-                rows[label].append(level(server, c, n, args.max_tokens, refs))
-                console.print(f"{label}: {c} clients: {rows[label][-1]['tok_s']} tok/s")
+            n = args.requests or max(8, args.per_client * c)
+            runs: dict[str, list[dict[str, Any]]] = {label: [] for label in servers}
+            for repeat in range(args.repeats):
+                # alternate which server goes first, so an order effect cancels out
+                order = list(servers) if repeat % 2 == 0 else list(servers)[::-1]
+                for label in order:
+                    runs[label].append(level(servers[label], c, n, lengths, refs))
+                    console.print(f"{label}: {c} clients: {runs[label][-1]['tok_s']} tok/s")
+            for label in servers:
+                rows[label].append(merge(runs[label]))
         configs = [{"label": label, "levels": rows[label]} for label in servers]
         if args.soak:
             console.print(f"soak: {args.soak} requests")
