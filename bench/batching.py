@@ -158,21 +158,20 @@ def run_clients(
     server: ServerProcess,
     clients: int,
     requests: int,
-    lengths: int | list[int],
+    lengths: list[int],
     hang_up: float = 0.0,
     seed: int = 0,
 ) -> tuple[list[Result], float]:
-    """``lengths``: every request's max_tokens, or a list to draw each one from (seeded: both
-    servers get the same plan)."""
+    """``lengths``: the max_tokens each request's is drawn from (seeded: both servers get the
+    same plan)."""
     local = threading.local()
     rng = random.Random(seed)
     draw = random.Random(seed + 1)
-    choices = lengths if isinstance(lengths, list) else [lengths]
     plan = [
         (
             i % len(PROMPTS),
             rng.randrange(1, 6) if rng.random() < hang_up else None,
-            draw.choice(choices),
+            draw.choice(lengths),
         )
         for i in range(requests)
     ]
@@ -215,7 +214,7 @@ def level(
     server: ServerProcess,
     clients: int,
     requests: int,
-    lengths: int | list[int],
+    lengths: list[int],
     refs: dict[tuple[int, int], str],
 ) -> dict[str, Any]:
     before = server.metrics()
@@ -256,31 +255,26 @@ def level(
 def merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One level's repeats as one row: counts and histograms summed, latencies pooled,
     throughput the median run's (``tok_s_runs`` keeps every run's)."""
-    if len(runs) == 1:
-        out = dict(runs[0])
-    else:
-        out = {"clients": runs[0]["clients"]}
-        for key in ("requests", "lost", "mixed", "truncated", "tokens"):
-            out[key] = sum(r[key] for r in runs)
-        out["wall_s"] = round(sum(r["wall_s"] for r in runs), 2)
-        out["tok_s"] = round(statistics.median(r["tok_s"] for r in runs), 2)
-        gaps = [g for r in runs for g in r["_gaps"]]
-        ttfts = [t for r in runs for t in r["_ttfts"]]
-        out["ttft_p50_s"] = round(percentile(ttfts, 50), 3)
-        out["ttft_p99_s"] = round(percentile(ttfts, 99), 3)
-        out["itl_p50_ms"] = round(1000 * percentile(gaps, 50), 1)
-        out["itl_p99_ms"] = round(1000 * percentile(gaps, 99), 1)
-        for key in ("batch", "draft"):
-            hist: dict[str, int] = {}
-            for r in runs:
-                for k, v in r[f"{key}_hist"].items():
-                    hist[k] = hist.get(k, 0) + v
-            out[f"{key}_hist"] = hist
-            out[f"{key}_mean"] = round(mean_of(hist), 2)
-        out["errors"] = sorted({e for r in runs for e in r["errors"]})[:3]
+    out: dict[str, Any] = {"clients": runs[0]["clients"]}
+    for key in ("requests", "lost", "mixed", "truncated", "tokens"):
+        out[key] = sum(r[key] for r in runs)
+    out["wall_s"] = round(sum(r["wall_s"] for r in runs), 2)
+    out["tok_s"] = round(statistics.median(r["tok_s"] for r in runs), 2)
+    gaps = [g for r in runs for g in r["_gaps"]]
+    ttfts = [t for r in runs for t in r["_ttfts"]]
+    out["ttft_p50_s"] = round(percentile(ttfts, 50), 3)
+    out["ttft_p99_s"] = round(percentile(ttfts, 99), 3)
+    out["itl_p50_ms"] = round(1000 * percentile(gaps, 50), 1)
+    out["itl_p99_ms"] = round(1000 * percentile(gaps, 99), 1)
+    for key in ("batch", "draft"):
+        hist: dict[str, int] = {}
+        for r in runs:
+            for k, v in r[f"{key}_hist"].items():
+                hist[k] = hist.get(k, 0) + v
+        out[f"{key}_hist"] = hist
+        out[f"{key}_mean"] = round(mean_of(hist), 2)
+    out["errors"] = sorted({e for r in runs for e in r["errors"]})[:3]
     out["tok_s_runs"] = [r["tok_s"] for r in runs]
-    out.pop("_gaps", None)
-    out.pop("_ttfts", None)
     return out
 
 
@@ -298,7 +292,7 @@ def soak(
     sampler = threading.Thread(target=sample, daemon=True)
     start_rss = server.rss()
     sampler.start()
-    results, wall = run_clients(server, 16, requests, max_tokens, hang_up=1 / 3, seed=1)
+    results, wall = run_clients(server, 16, requests, [max_tokens], hang_up=1 / 3, seed=1)
     stop.set()
     sampler.join()
     deadline = time.monotonic() + 30
@@ -390,7 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--concurrency", default="1,4,16,32")
-    ap.add_argument("--requests", type=int, default=0, help="per level (default 2 x clients, >= 8)")
+    ap.add_argument(
+        "--requests", type=int, default=0, help="per level (default --per-client x clients, >= 8)"
+    )
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument(
         "--lengths",
@@ -414,10 +410,15 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     levels = [int(c) for c in args.concurrency.split(",")]
     cmd = "python bench/batching.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.repeats < 1 or args.per_client < 1:
+        ap.error("--repeats and --per-client must be at least 1")
+    try:
+        lengths = [int(n) for n in args.lengths.split(",")] if args.lengths else [args.max_tokens]
+    except ValueError:
+        ap.error(f"--lengths takes comma-separated integers, got {args.lengths!r}")
+    if min(lengths) < 1:
+        ap.error("every --lengths value must be at least 1")
     refs: dict[tuple[int, int], str] = {}  # greedy text per (prompt, max_tokens), both servers
-    lengths: int | list[int] = args.max_tokens
-    if args.lengths:
-        lengths = [int(n) for n in args.lengths.split(",")]
     soaked = None
     servers: dict[str, ServerProcess] = {}
     try:
@@ -430,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
             servers[label] = ServerProcess(
                 serve, args.out / f"server-{label}.log", args.threads, args.cpus
             )
-            run_clients(servers[label], 1, 2, 8)  # warm-up
+            run_clients(servers[label], 1, 2, [8])  # warm-up
         rows: dict[str, list[dict[str, Any]]] = {label: [] for label in servers}
         for c in levels:
             n = args.requests or max(8, args.per_client * c)
