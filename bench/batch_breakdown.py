@@ -30,8 +30,10 @@ from specdec.config import GenerationConfig  # noqa: E402
 from specdec.target import load_model  # noqa: E402
 
 
-def run(engine: SpeculativeEngine, clients: int, requests: int, max_tokens: int) -> dict:
-    scheduler = BatchScheduler(engine, max_batch=max(clients, 1))
+def run(
+    engine: SpeculativeEngine, clients: int, requests: int, max_tokens: int, fused: bool = True
+) -> dict:
+    scheduler = BatchScheduler(engine, max_batch=max(clients, 1), fused=fused)
     prompts = [engine.encode(p, True) for p in PROMPTS]
     config = GenerationConfig.of(max_new_tokens=max_tokens, ignore_eos=True)
     sent = 0
@@ -59,7 +61,10 @@ def run(engine: SpeculativeEngine, clients: int, requests: int, max_tokens: int)
         "steps": len(reports),
         "mean batch": statistics.mean(r.batch_size for r in decoding),
         "mean rows": statistics.mean(r.rows for r in decoding),
-        "prefill passes": sum(1 for r in reports if r is not None and r.prefill_tokens),
+        "steps with prompt tokens": sum(1 for r in reports if r is not None and r.prefill_tokens),
+        "p99 step s": sorted(r.seconds for r in reports if r is not None)[
+            int(0.99 * (len(reports) - 1))
+        ],
         "verify s": sum(r.verify_seconds for r in decoding),
         "other s": wall - sum(r.verify_seconds for r in decoding),
     }
@@ -73,6 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--speculator", default="prompt-lookup")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--separate-prefill",
+        action="store_true",
+        help="prefill prompts in passes of their own, not inside the verification passes",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = load_model()
@@ -84,7 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     for repeat in range(args.repeats):
         order = list(engines) if repeat % 2 == 0 else list(engines)[::-1]
         for name in order:
-            result = run(engines[name], args.clients, args.requests, args.max_tokens)
+            result = run(
+                engines[name], args.clients, args.requests, args.max_tokens,
+                not args.separate_prefill,
+            )
             rates[name].append(result["tok/s"])
             cells = ", ".join(
                 f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items()

@@ -363,3 +363,97 @@ def test_packed_budget_lets_a_confident_sequence_draft_alone():
     assert BatchBudget(4, costs, packed=False).choose(batch) == [0] * 16
     # alone, the unsure sequence's first node pays (a pass's fixed 100 ms dominates a row)
     assert BatchBudget(4, costs).choose([unsure])[0] >= 1
+
+
+def test_prompt_chunks_riding_verification_passes_keep_the_invariant(tiny64):
+    """Rows attached empty take their prompts as prefixes of verification passes, a few tokens
+    per pass beside other rows' random trees; a row whose prompt completes in a pass has its
+    first tree verified behind it, or none (it decodes from the next pass). Every tree's logits
+    equal its chain decoded solo after the row's whole committed context, and every row's cache
+    equals a fresh prefill of its committed tokens after each pass (float64)."""
+    rng = random.Random(1)
+    vocab = tiny64.model.config.vocab_size
+    target = BatchTarget(tiny64)
+    assert target.packed
+    target.enable_features()
+    rows: list[dict] = []  # per row: committed tokens, root, prompt tokens still to come
+    joined_in_pass = 0
+    for step in range(40):
+        if len(rows) < 5 and rng.random() < 0.5:
+            prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 16))]
+            row = target.attach(target.start_prefill(prompt))
+            assert row == len(rows)
+            rows.append({"committed": [], "root": prompt[-1], "pending": prompt[:-1]})
+        if rows and rng.random() < 0.1:
+            row = rng.randrange(len(rows))
+            target.remove(row)
+            last = rows.pop()
+            if row < len(rows):
+                rows[row] = last
+        if not rows:
+            continue
+        trees, prefixes = [], []
+        for state in rows:
+            chunk = state["pending"][: rng.randrange(1, 6)]
+            prefixes.append(chunk)
+            completes = len(chunk) == len(state["pending"])
+            if completes and (not chunk or rng.random() < 0.6):
+                trees.append(_random_tree(rng, state["root"], vocab))
+                joined_in_pass += bool(chunk)
+            else:
+                trees.append(None)
+        logits = target.verify(trees, prefixes)
+        assert target.last_rows == sum(
+            len(p) + (0 if t is None else len(t)) for p, t in zip(prefixes, trees, strict=True)
+        )
+        paths = []
+        for r, (state, tree, chunk) in enumerate(zip(rows, trees, prefixes, strict=True)):
+            if tree is None:
+                assert logits[r] is None
+                paths.append(None)
+                continue
+            row_logits = logits[r]
+            assert row_logits is not None and row_logits.shape[0] == len(tree)
+            node = len(tree) - 1
+            path = tree.path_to(node)
+            solo = ModelRunner(tiny64.model)
+            context = state["committed"] + chunk + [tree.tokens[i] for i in path]
+            expect = solo.forward(context)[-1]
+            assert torch.allclose(row_logits[node], expect, atol=1e-9), (step, r)
+            paths.append(_random_path(rng, tree))
+        target.commit(paths)
+        for state, tree, chunk, path in zip(rows, trees, prefixes, paths, strict=True):
+            state["committed"] = state["committed"] + chunk
+            state["pending"] = state["pending"][len(chunk) :]
+            if tree is not None:
+                state["committed"] += [tree.tokens[i] for i in path]
+                state["root"] = rng.randrange(vocab)
+        for r, state in enumerate(rows):
+            tokens = state["committed"]
+            feats = target.features[r]
+            if not tokens:
+                continue
+            fresh = ModelRunner(tiny64.model)
+            fresh.forward(tokens)
+            for layer, mine in zip(fresh.cache.hf.layers, target.cache.row_entries(r), strict=True):
+                assert mine is not None
+                assert torch.allclose(mine[0], layer.keys[0], atol=1e-9), (step, r)
+                assert torch.allclose(mine[1], layer.values[0], atol=1e-9), (step, r)
+            if state["pending"]:  # mid-prompt: the features of every prompt token so far
+                assert feats is not None and feats.shape[0] == len(tokens)
+    assert joined_in_pass > 3
+
+
+def test_separate_prefill_passes_equal_solo_too(tiny64):
+    """The path a padded target takes (prompts prefilled in passes of their own)."""
+    engine = SpeculativeEngine.from_pretrained(
+        tiny64, speculator="prompt-lookup", num_draft_tokens=4, adaptive=False
+    )
+    solo = [engine.generate(p, max_new_tokens=24, ignore_eos=True).token_ids for p in PROMPTS]
+    scheduler = BatchScheduler(engine, max_batch=3, fused=False)
+    config = GenerationConfig(max_new_tokens=24, ignore_eos=True, sampling=SamplingConfig())
+    seqs = [scheduler.add(engine.encode(p), config) for p in PROMPTS]
+    out: dict[int, list[int]] = {s.id: [] for s in seqs}
+    for seq, event in scheduler.run():
+        out[seq.id].extend(event.token_ids)
+    assert [out[s.id] for s in seqs] == solo

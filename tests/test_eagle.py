@@ -283,6 +283,27 @@ def test_sampled_eagle_is_seeded(tiny, trained):
     assert a.token_ids == b.token_ids and a.stats.lossless
 
 
+def test_batched_eagle_drafts_from_the_whole_prompt(tiny, trained):
+    """In a batch a prompt's last chunk rides a verification pass, so its features exist only
+    after it: an EAGLE sequence decodes from the next pass, and then drafts from the features of
+    its whole prompt, as alone. So each sequence's drafts, not only its output, are its solo
+    ones (fixed K): same tokens, same number accepted. A seeded sampled sequence draws alike."""
+    _, out, _ = trained
+    engine = SpeculativeEngine.from_pretrained(
+        tiny, speculator=options_for("eagle", dir=str(out)), adaptive=False
+    )
+    kw = {"max_new_tokens": 24, "ignore_eos": True, "chat": True}  # its training prompts
+    solo = [engine.generate(p, **kw) for p in PROMPTS[:4]]
+    batched = engine.generate_batch(PROMPTS[:4], max_batch=3, **kw)
+    assert [r.token_ids for r in batched] == [r.token_ids for r in solo]
+    assert [r.stats.accepted_tokens for r in batched] == [r.stats.accepted_tokens for r in solo]
+    assert sum(r.stats.accepted_tokens for r in batched) > 10
+    sampled = {"temperature": 0.9, "top_k": 20, **kw}
+    alone = engine.generate(PROMPTS[1], seed=3, **sampled).token_ids
+    mates = engine.generate_batch(PROMPTS[:3], seeds=[1, 3, 2], **sampled)
+    assert mates[1].token_ids == alone
+
+
 class _StopAt:
     """A progress bar that interrupts training after ``stop`` steps, like a killed run."""
 

@@ -3,17 +3,24 @@
 Layout, per attention layer: ``keys[row, head, slot, dim]`` (values likewise). Row ``r`` holds
 its sequence's committed tokens (all but the last, the next root) at slots ``0 .. len_r - 1``,
 slot ``j`` being position ``j``, exactly the single-sequence invariant of
-:mod:`specdec.cache.kv`. A batched verification pass writes every row's new tokens at one common
-offset ``W = max_r len_r``; a row shorter than ``W`` has a gap of stale slots between its end
-and ``W``, which its attention mask hides. Committing a row moves its accepted path from
-``W + path`` to ``len_r ..`` (one gather and one scatter per layer for the whole batch), so the
-invariant holds again and a row's cache equals a fresh prefill of its committed tokens.
+:mod:`specdec.cache.kv`. A verification pass writes each row's new tokens beyond its committed
+ones, and committing keeps the accepted path and moves it to follow them, so the invariant
+holds again and a row's cache equals a fresh prefill of its committed tokens.
 
-Why one common offset: the forward then writes all rows with a single slice assignment per
-layer and the keys it attends over are one contiguous view ``[:, :, :W + T]``; per-row offsets
-would need a scatter inside the model's attention. The price is that every row attends over
-``W + T`` slots (masked where they are not its own), which is small next to the projections
-for the contexts a CPU serves.
+Where a pass writes depends on its layout:
+
+- **packed** (the trees' nodes packed into one sequence, :mod:`specdec.batch.target`): node
+  ``c`` of row ``r`` goes to slot ``len_r + c``, its row's own next slots. A chain accepted
+  from its start, and every prompt token a pass prefills, is then already where it belongs:
+  commit moves nothing for it (copying a 64-token prompt chunk from a common offset cost more
+  than a third of the pass that computed it).
+- **padded** (every row as wide as the widest): all rows write at one common offset
+  ``W = max_r len_r``, with a single slice assignment per layer; a row shorter than ``W`` has a
+  gap of stale slots between its end and ``W``, which its attention mask hides.
+
+Either way a row attends over one contiguous view ``[:, :, :span]`` of the buffers, masked
+where slots are not its own, which is small next to the projections for the contexts a CPU
+serves.
 
 Rows in use are always the prefix ``0 .. n - 1`` (a leaving sequence's row is refilled with the
 last one), so the pass over the batch is a view, never a copy. Buffers grow by doubling rows and
@@ -42,7 +49,7 @@ SLOT_STEP = 256  # slots are added in steps of this many (a copy of the used par
 
 
 class SlotLayer(DynamicLayer):
-    """One attention layer's padded buffer; writes at the owner's common offset.
+    """One attention layer's padded buffer; writes where the owner's pass says.
 
     Subclasses ``DynamicLayer`` so transformers treats it as the full-attention layer it is;
     ``keys``/``values`` are the whole buffers, so the length methods are overridden."""
@@ -62,24 +69,24 @@ class SlotLayer(DynamicLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write ``[rows, heads, T, dim]`` new entries at the common offset; return the views
-        the pass attends over, ``[rows, heads, W + T, dim]``."""
+        """Write the pass's new entries (padded: ``[rows, heads, T, dim]`` at the common offset;
+        packed: ``[1, heads, N, dim]``, each node at its row's next slots); return the views the
+        pass attends over, ``[rows, heads, span, dim]``."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.fit()
         assert self.keys is not None and self.values is not None
         lo, hi = self._owner.rows
-        at = self._owner.write_at
+        end = self._owner.span
         packing = self._owner.packing
         if packing is None:
-            end = at + key_states.shape[-2]
-            self.keys[lo:hi, :, at:end] = key_states
-            self.values[lo:hi, :, at:end] = value_states
-        else:  # [1, heads, N, dim]: each packed node to its row's slot at + node
-            end = at + packing.width
-            rows, slots = lo + packing.rows, at + packing.cols
-            self.keys[rows, :, slots] = key_states[0].transpose(0, 1)
-            self.values[rows, :, slots] = value_states[0].transpose(0, 1)
+            at = self._owner.write_at
+            self.keys[lo:hi, :, at : at + key_states.shape[-2]] = key_states
+            self.values[lo:hi, :, at : at + key_states.shape[-2]] = value_states
+        else:  # [1, heads, N, dim]: each packed node to its slot
+            rows = lo + packing.rows
+            self.keys[rows, :, packing.slots] = key_states[0].transpose(0, 1)
+            self.values[rows, :, packing.slots] = value_states[0].transpose(0, 1)
         return self.keys[lo:hi, :, :end], self.values[lo:hi, :, :end]
 
     def fit(self) -> None:
@@ -100,8 +107,7 @@ class SlotLayer(DynamicLayer):
         return self._owner.write_at
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        packing = self._owner.packing
-        return self._owner.write_at + (query_length if packing is None else packing.width), 0
+        return self._owner.span, 0
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("a slot cache is rolled back per row by SlotCache.commit")
@@ -122,7 +128,8 @@ class SlotCache:
         self.layout = AttentionLayout.from_config(config)
         self.capacity = (1, SLOT_STEP)  # (rows, slots) every layer's buffer has room for
         self.rows = (0, 0)  # the rows the current pass covers
-        self.write_at = 0  # where the current pass writes
+        self.write_at = 0  # where the current pass writes (padded) / the longest row (packed)
+        self.span = 0  # slots the current pass attends over
         self.packing: Packing | None = None  # how the current pass's nodes are packed
         self.lengths: list[int] = []  # entries per row in use
         self.hf = _HFSlotCache(
@@ -149,13 +156,15 @@ class SlotCache:
             layer.fit()
 
     def begin_pass(
-        self, lo: int, hi: int, write_at: int, new_tokens: int, packing: Packing | None = None
+        self, lo: int, hi: int, write_at: int, span: int, packing: Packing | None = None
     ) -> None:
-        """The next forward covers rows ``lo .. hi - 1`` and writes ``new_tokens`` entries per
-        row from slot ``write_at`` (a packed pass: its nodes, at their rows' slots)."""
-        self.reserve(hi, write_at + new_tokens)
+        """The next forward covers rows ``lo .. hi - 1`` and attends over ``span`` slots; a
+        padded pass writes its entries from slot ``write_at`` in every row, a packed one each
+        node at ``packing.slots``."""
+        self.reserve(hi, span)
         self.rows = (lo, hi)
         self.write_at = write_at
+        self.span = span
         self.packing = packing
 
     def end_pass(self) -> None:
@@ -193,38 +202,34 @@ class SlotCache:
             self.lengths[row] = n
         self.lengths.pop()
 
-    def commit(self, write_at: int, paths: Sequence[Sequence[int]]) -> None:
-        """Row ``r`` keeps, of the entries the last pass wrote from ``write_at``, those at
-        offsets ``paths[r]`` (ascending, never empty: the root is always kept), moved to follow
-        its committed entries."""
-        n = len(paths)
-        width = max(len(p) for p in paths)
-        src_rows: list[list[int]] = []
-        dst_rows: list[list[int]] = []
-        moves = False
-        for r, path in enumerate(paths):
+    def commit(self, sources: Sequence[Sequence[int]]) -> None:
+        """Row ``r`` keeps the entries the last pass wrote at slots ``sources[r]`` (in path
+        order, never empty: the root is always kept), moved to follow its committed entries.
+        Entries already in place (a packed pass's prompt tokens, a chain accepted from its
+        start) are not touched; the others move in one gather and one scatter per buffer."""
+        moving: list[tuple[int, list[int], list[int]]] = []
+        for r, src in enumerate(sources):
             start = self.lengths[r]
-            row_src = [write_at + p for p in path]
-            row_dst = list(range(start, start + len(path)))
-            moves = moves or row_src != row_dst
-            pad = [row_src[-1]] * (width - len(path))  # the last entry onto itself: no move
-            src_rows.append(row_src + pad)
-            dst_rows.append(row_dst + pad)
-            self.lengths[r] = start + len(path)
-        if not moves:
+            dst = list(range(start, start + len(src)))
+            if list(src) != dst:
+                first = next(i for i, (a, b) in enumerate(zip(src, dst, strict=True)) if a != b)
+                moving.append((r, list(src[first:]), dst[first:]))
+            self.lengths[r] = start + len(src)
+        if not moving:
             return
-        src = torch.tensor(src_rows, dtype=torch.long)  # [n, width]
-        dst = torch.tensor(dst_rows, dtype=torch.long)
+        width = max(len(src) for _, src, _ in moving)
+        rows = torch.tensor([r for r, _, _ in moving], dtype=torch.long)[:, None]  # [m, 1]
+        # short paths padded with their last move repeated (the same value to the same slot)
+        src = torch.tensor([s + [s[-1]] * (width - len(s)) for _, s, _ in moving])  # [m, w]
+        dst = torch.tensor([d + [d[-1]] * (width - len(d)) for _, _, d in moving])
         for layer in self._layers():
             if layer.keys is None or layer.values is None:
                 continue
             device = layer.keys.device
+            r, s, d = rows.to(device), src.to(device), dst.to(device)
             for buf in (layer.keys, layer.values):
-                heads, dim = buf.shape[1], buf.shape[3]
-                s = src.to(device)[:, None, :, None].expand(n, heads, width, dim)
-                d = dst.to(device)[:, None, :, None].expand(n, heads, width, dim)
-                moved = buf[:n].gather(2, s)  # every source read before any write
-                buf[:n].scatter_(2, d, moved)
+                moved = buf[r, :, s]  # [m, w, heads, dim]: a copy, read before any write
+                buf[r, :, d] = moved
 
     def row_entries(self, row: int) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
         """Row ``row``'s keys and values per layer (``[heads, len, dim]``), for tests."""

@@ -3,13 +3,22 @@
 A step (:meth:`BatchScheduler.step`) does, in order:
 
 1. drop the sequences cancelled since the last step (their rows are freed now);
-2. prefill: up to ``chunk`` prompt tokens of waiting sequences, oldest first (a long prompt
+2. admit: up to ``chunk`` prompt tokens of prefilling sequences, oldest first (a long prompt
    takes several steps, so it delays the running sequences by one chunk per step at most); a
-   sequence whose prompt is in joins the batch;
-3. decode: every running sequence drafts (greedy ones the length :class:`BatchBudget` chose for
-   the batch, sampled ones their own timing-free budget), one target pass verifies all the
-   trees, each sequence's rule accepts with its own generator, every row commits its path, and
-   each sequence emits its event; finished sequences leave.
+   waiting sequence gets a row when a row is free and the chunk has room for it;
+3. one pass: every running sequence drafts (greedy ones the length :class:`BatchBudget` chose
+   for the batch, sampled ones their own timing-free budget), and one target pass verifies all
+   the trees *and* carries the step's prompt tokens ahead of their rows' trees (the chunk rides
+   the pass: on a CPU it costs its rows, not another pass over the weights). A sequence whose
+   prompt completes in this pass drafts and is verified in it too (its first token comes from
+   this pass), unless its speculator reads the target's hidden states, which its last chunk
+   only now computes: it decodes from the next step. Each sequence's rule accepts with its own
+   generator, every row commits its prefix and path, and each sequence emits its event;
+   finished sequences leave.
+
+With a padded target (an eager-attention model, :attr:`BatchTarget.packed` false) a prompt
+chunk would pad every row of the pass to its width, so prompts are prefilled in passes of
+their own on a private cache instead (one chunk per step), and join when complete.
 
 Each sequence's state is its own: tokens, sampling generator, grammar, speculator instance
 (:meth:`Speculator.fork`) and acceptance estimate. So a greedy sequence's output is its solo
@@ -52,7 +61,7 @@ class BatchSequence:
     emitter: Emitter
     tracker: AdaptiveBudget  # acceptance estimate by draft position, for the batch budget
     id: int = field(default_factory=lambda: next(_ids))
-    prefill: Prefill | None = None
+    prefill: Prefill | None = None  # while its prompt is on its way in; None once decoding
     cancelled: bool = False
     finished: bool = False
     finish_reason: str | None = None
@@ -63,7 +72,7 @@ class StepReport:
     """What one step did, for metrics and tests."""
 
     batch_size: int  # sequences verified in the pass (0: a prefill-only step)
-    width: int  # the widest sequence's nodes in the pass
+    width: int  # the widest sequence's tree in the pass (its prompt tokens not counted)
     draft_length: int  # the longest draft the batch budget gave a greedy sequence
     prefill_tokens: int
     seconds: float
@@ -76,10 +85,17 @@ class BatchScheduler:
     (one thread owns it, as one owns an engine).
 
     ``max_batch`` caps the running sequences; more wait (prefill starts when a row is free).
-    ``chunk`` is the prefill token budget per step."""
+    ``chunk`` is the prefill token budget per step. ``fused`` (default: whenever passes are
+    packed) carries prompt chunks in the verification passes; ``False`` prefills them in
+    passes of their own, as a padded target must (for comparing the two)."""
 
     def __init__(
-        self, engine: SpeculativeEngine, *, max_batch: int = 8, chunk: int = DEFAULT_CHUNK
+        self,
+        engine: SpeculativeEngine,
+        *,
+        max_batch: int = 8,
+        chunk: int = DEFAULT_CHUNK,
+        fused: bool | None = None,
     ) -> None:
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ConfigError(f"max_batch must be an integer >= 1, got {max_batch!r}")
@@ -100,7 +116,16 @@ class BatchScheduler:
         self.costs = BatchCosts(engine.cost_model)
         self.budget = BatchBudget(engine.num_draft_tokens, self.costs, packed=self.target.packed)
         self.waiting: deque[BatchSequence] = deque()
-        self.running: list[BatchSequence] = []  # index = row in the batch cache
+        self.rows: list[BatchSequence] = []  # index = row in the batch cache
+        self.prefilling: list[BatchSequence] = []  # rows still taking their prompt, oldest first
+        # prompts ride the verification passes (see the module doc), unless passes are padded
+        if fused and not self.target.packed:
+            raise ConfigError(
+                "fused prefill needs packed passes; this model's attention is not one "
+                "transformers registers (eager?), so its prompts are prefilled on their own"
+            )
+        self.fused = self.target.packed if fused is None else fused
+        self._join_late = bool(readers)  # a joining row's drafter needs its last chunk's features
         self.steps = 0
         self.last: StepReport | None = None
 
@@ -139,11 +164,16 @@ class BatchScheduler:
         seq.cancelled = True
 
     @property
+    def running(self) -> list[BatchSequence]:
+        """The sequences decoding (their prompt is in)."""
+        return [s for s in self.rows if s.prefill is None]
+
+    @property
     def idle(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.rows
 
     def __len__(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.rows)
 
     # -- the step -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -153,14 +183,19 @@ class BatchScheduler:
         pass, so every in-place edit of them (joins, commits, leaves) must be too."""
         t0 = time.perf_counter()
         self._drop_cancelled()
-        prefilled = self._prefill()
+        if self.fused:
+            plan = self._admit()
+            prefilled = sum(len(tokens) for tokens in plan.values())
+        else:
+            plan, prefilled = {}, self._prefill()
         events: list[tuple[BatchSequence, TokenEvent]] = []
-        batch, width, length, verify = len(self.running), 0, 0, 0.0
-        if self.running:
-            width, length, verify, events = self._decode()
+        batch, width, length, verify = 0, 0, 0, 0.0
+        passed = bool(self.rows)
+        if passed:
+            batch, width, length, verify, events = self._decode(plan)
         self.steps += 1
         seconds = time.perf_counter() - t0
-        rows = self.target.last_rows if batch else 0
+        rows = self.target.last_rows if passed else 0
         self.last = StepReport(batch, width, length, prefilled, seconds, verify, rows)
         return events
 
@@ -168,28 +203,66 @@ class BatchScheduler:
         for seq in [s for s in self.waiting if s.cancelled]:
             self.waiting.remove(seq)
             seq.finished = True
-        rows = [r for r, s in enumerate(self.running) if s.cancelled]
+        rows = [r for r, s in enumerate(self.rows) if s.cancelled]
         self._release(rows)
 
     def _release(self, rows: Iterable[int]) -> None:
         """Free these rows (descending, so each move brings a row that stays)."""
         for row in sorted(rows, reverse=True):
-            seq = self.running[row]
+            seq = self.rows[row]
             self.target.remove(row)
-            last = self.running.pop()
-            if row < len(self.running):
-                self.running[row] = last
+            last = self.rows.pop()
+            if row < len(self.rows):
+                self.rows[row] = last
+            if seq in self.prefilling:
+                self.prefilling.remove(seq)
             seq.finished = True
             self.engine.end_request(seq.req)
 
+    def _admit(self) -> dict[int, list[int]]:
+        """This step's prompt tokens per sequence id (see the module doc): the prefilling rows
+        first, oldest first, then waiting sequences given rows while the chunk has room. At
+        most one prompt is left part-way, the last admitted, so every prefilling row has tokens
+        in every pass. With nothing decoding there is no one to delay: up to ``PACK_LIMIT``."""
+        decoding = len(self.prefilling) < len(self.rows)
+        budget = self.chunk if decoding else max(self.chunk, PACK_LIMIT)
+        plan: dict[int, list[int]] = {}
+        partial = False
+
+        def take(seq: BatchSequence) -> None:
+            nonlocal budget, partial
+            prefill = seq.prefill
+            assert prefill is not None
+            left = len(prefill.tokens) - prefill.done
+            n = min(left, budget)
+            plan[seq.id] = prefill.tokens[prefill.done : prefill.done + n]
+            budget -= n
+            partial = partial or n < left
+
+        for seq in self.prefilling:
+            take(seq)
+        while self.waiting and len(self.rows) < self.max_batch and not partial:
+            seq = self.waiting[0]
+            prefill = seq.prefill
+            assert prefill is not None
+            if budget == 0 and prefill.done < len(prefill.tokens):
+                break
+            self.waiting.popleft()
+            row = self.target.attach(prefill)
+            assert row == len(self.rows)
+            self.rows.append(seq)
+            self.prefilling.append(seq)
+            take(seq)
+        return plan
+
     def _prefill(self) -> int:
-        """At most one prefill pass per step: the next chunk of a prompt already under way, or
-        as many fresh prompts as fit in ``chunk`` tokens packed into one pass (a longer one
-        starts alone, chunked). With nothing running there is no one to delay: up to
-        ``PACK_LIMIT`` tokens at once."""
-        if not self.waiting or len(self.running) >= self.max_batch:
+        """With a padded target: at most one prefill pass per step on a private cache, the next
+        chunk of a prompt already under way, or as many fresh prompts as fit in ``chunk``
+        tokens packed into one pass (a longer one starts alone, chunked); a complete prompt
+        joins the batch. With nothing running: up to ``PACK_LIMIT`` tokens at once."""
+        if not self.waiting or len(self.rows) >= self.max_batch:
             return 0
-        budget = self.chunk if self.running else max(self.chunk, PACK_LIMIT)
+        budget = self.chunk if self.rows else max(self.chunk, PACK_LIMIT)
         head = self.waiting[0]
         assert head.prefill is not None
         started = time.perf_counter()
@@ -200,7 +273,7 @@ class BatchScheduler:
             group, rows = [head], ([] if row is None else [row])
         else:
             group, fed = [], 0
-            room = self.max_batch - len(self.running)
+            room = self.max_batch - len(self.rows)
             for seq in self.waiting:
                 assert seq.prefill is not None
                 size = len(seq.prefill.tokens)
@@ -213,15 +286,15 @@ class BatchScheduler:
         for seq in group:
             seq.req.stats.prefill_seconds += seconds
         for seq, row in zip(group, rows, strict=False):
-            assert row == len(self.running)
+            assert row == len(self.rows)
             self.waiting.popleft()
             seq.prefill = None
-            self.running.append(seq)
+            self.rows.append(seq)
         return fed
 
-    def _proposals(self) -> tuple[list[_Proposal], int]:
-        """Every running sequence's proposal for this step, and the longest length the batch
-        budget gave.
+    def _proposals(self, rows: Sequence[int], extra: int) -> tuple[dict[int, _Proposal], int]:
+        """The proposals of these rows' sequences for this step, and the longest length the
+        batch budget gave. ``extra`` is the prompt tokens the pass carries besides.
 
         Greedy sequences whose speculator drafts cheaply (no model) draft first, up to their
         cap; the batch budget then prices each sequence's nodes against the drafts actually at
@@ -229,13 +302,13 @@ class BatchScheduler:
         drafted by a model is sized before drafting, since its draft costs real time. Sampled
         and fixed-K sequences keep their own budgets."""
         engine = self.engine
-        n = len(self.running)
-        budgets = [0] * n
+        budgets = dict.fromkeys(rows, 0)
         drafts: dict[int, tuple[DraftTree, float, float]] = {}
         sized: list[int] = []
         candidates: list[Candidate] = []
         resting = self.budget.resting
-        for i, seq in enumerate(self.running):
+        for i in rows:
+            seq = self.rows[i]
             req = seq.req
             room = engine.context_length - len(req.tokens)
             cap = max(0, min(engine.num_draft_tokens, req.remaining - 1, room - 1))
@@ -263,52 +336,85 @@ class BatchScheduler:
             self.budget.draft_seconds_per_token = engine.cost_model.draft_seconds_per_token
             chosen = set(sized)
             k_max = engine.num_draft_tokens
-            others = [1 + min(budgets[i], k_max) for i in range(n) if i not in chosen]
+            others = [1 + min(budgets[i], k_max) for i in rows if i not in chosen]
+            if extra:
+                others.append(extra)
             lengths = self.budget.choose(candidates, others)
             for i, c, k in zip(sized, candidates, lengths, strict=True):
                 budgets[i] = min(k, c.cap)
             length = max(lengths, default=0)
-        proposals: list[_Proposal] = []
-        for i, seq in enumerate(self.running):
+        proposals: dict[int, _Proposal] = {}
+        for i in rows:
+            req = self.rows[i].req
             if i in drafts:
                 tree, seconds, catch_up = drafts[i]
                 cut = tree.truncated(budgets[i])
-                proposals.append(engine.proposal(seq.req, budgets[i], cut, seconds, catch_up))
+                proposals[i] = engine.proposal(req, budgets[i], cut, seconds, catch_up)
             else:
-                proposals.append(engine.propose(seq.req, budgets[i], self.target.features[i]))
+                proposals[i] = engine.propose(req, budgets[i], self.target.features[i])
         return proposals, length
 
-    def _decode(self) -> tuple[int, int, float, list[tuple[BatchSequence, TokenEvent]]]:
+    def _decode(
+        self, plan: dict[int, list[int]]
+    ) -> tuple[int, int, int, float, list[tuple[BatchSequence, TokenEvent]]]:
+        """The step's one pass over every row: proposals verified, prompt tokens carried."""
         engine = self.engine
-        proposals, length = self._proposals()
-        trees: list[DraftTree] = [p.tree for p in proposals]
+        prefixes: list[list[int]] = [plan.get(seq.id, []) for seq in self.rows]
+        verified: list[int] = []  # rows with a tree this pass
+        for row, seq in enumerate(self.rows):
+            prefill = seq.prefill
+            if prefill is None:
+                verified.append(row)
+            elif prefill.done + len(prefixes[row]) >= len(prefill.tokens):
+                if not self._join_late or not prefixes[row]:
+                    verified.append(row)  # its prompt completes here: it decodes in this pass
+        extra = sum(len(p) for p in prefixes)
+        proposals, length = self._proposals(verified, extra)
+        trees: list[DraftTree | None] = [
+            proposals[r].tree if r in proposals else None for r in range(len(self.rows))
+        ]
         t1 = time.perf_counter()
-        logits = self.target.verify(trees)
-        accepted = []
-        for seq, proposal, row_logits in zip(self.running, proposals, logits, strict=True):
-            accepted.append(engine.accept(seq.req, proposal, row_logits))
-        self.target.commit([a.path for a, _ in accepted])
+        logits = self.target.verify(trees, prefixes if extra else None)
+        accepted = {}
+        for row in verified:
+            row_logits = logits[row]
+            assert row_logits is not None
+            accepted[row] = engine.accept(self.rows[row].req, proposals[row], row_logits)
+        paths = [accepted[r][0].path if r in accepted else None for r in range(len(self.rows))]
+        self.target.commit(paths)
         seconds = time.perf_counter() - t1
-        width = max(len(t) for t in trees)
-        self.budget.observe(self.target.last_rows, seconds, drafted=width > 1)
+        drafted = any(len(proposals[r].tree) > 1 for r in verified)
+        self.budget.observe(self.target.last_rows, seconds, drafted=drafted)
+        share = seconds / max(1, self.target.last_rows)
+        for row, seq in enumerate(self.rows):
+            prefill = seq.prefill
+            if prefill is None or not prefixes[row] and row not in proposals:
+                continue
+            prefill.done += len(prefixes[row])
+            seq.req.stats.prefill_seconds += share * len(prefixes[row])
+            if prefill.finished:
+                seq.prefill = None
+                self.prefilling.remove(seq)
         events: list[tuple[BatchSequence, TokenEvent]] = []
         done: list[int] = []
-        for row, (seq, proposal, row_logits, (acceptance, scored)) in enumerate(
-            zip(self.running, proposals, logits, accepted, strict=True)
-        ):
+        for row in verified:
+            seq, proposal, (acceptance, scored) = self.rows[row], proposals[row], accepted[row]
+            row_logits = logits[row]
+            assert row_logits is not None
             req = seq.req
             engine.settle(req, proposal, acceptance, row_logits, scored)
             req.stats.verify_seconds += seconds + proposal.grammar_seconds
-            drafted = max(proposal.proposed.depths)
-            if drafted > 0:
-                seq.tracker.observe(drafted, acceptance.num_accepted)
+            drafted_here = max(proposal.proposed.depths)
+            if drafted_here > 0:
+                seq.tracker.observe(drafted_here, acceptance.num_accepted)
             event = seq.emitter.emit(acceptance)
             events.append((seq, event))
             if event.finish_reason is not None:
                 seq.finish_reason = event.finish_reason
                 done.append(row)
         self._release(done)
-        return width, length, seconds, events
+        width = max((len(proposals[r].tree) for r in verified), default=0)
+        return len(verified), width, length, seconds, events
 
     # -- whole batches --------------------------------------------------------------------------
     def run(self) -> Iterable[tuple[BatchSequence, TokenEvent]]:
