@@ -95,7 +95,10 @@ def main(argv: list[str] | None = None) -> int:
         order = list(engines) if repeat % 2 == 0 else list(engines)[::-1]
         for name in order:
             result = run(
-                engines[name], args.clients, args.requests, args.max_tokens,
+                engines[name],
+                args.clients,
+                args.requests,
+                args.max_tokens,
                 not args.separate_prefill,
             )
             rates[name].append(result["tok/s"])

@@ -3,7 +3,9 @@
 16 sequences of ``--context`` random tokens are prefilled into a packed and a padded
 :class:`~specdec.batch.BatchTarget` on the bundled model; then each shape (how many nodes each
 sequence brings beyond its root) is verified ``--rounds`` times, shapes interleaved, and the
-median (first round dropped) is printed with the rows the pass computed. Usage::
+median (first round dropped) is printed with the rows the pass computed. Then a newcomer's
+``--chunk``-token prompt chunk: riding the 16 roots' pass as a 17th row's prefix, against the
+roots' pass plus a prefill pass of its own (the scheduler's two prefill paths). Usage::
 
     taskset -c 0 .venv/bin/python bench/packed_pass_cost.py
 """
@@ -37,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--chunk", type=int, default=64)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     rng = random.Random(0)
@@ -69,6 +72,33 @@ def main(argv: list[str] | None = None) -> int:
         label = f"{drafting} sequences draft {max(shape)}" if drafting else "16 roots, no drafts"
         label += "" if packed else ", padded"
         print(f"| {label} | {rows[i]} | {statistics.median(times[i][1:]) * 1000:.0f} |")
+    target = targets[True]
+    fused: list[float] = []
+    apart: list[float] = []
+    for _ in range(args.rounds):
+        prompt = [rng.randrange(vocab) for _ in range(args.chunk + 1)]
+        row = target.attach(target.start_prefill(prompt))
+        started = time.perf_counter()
+        target.verify([chain(0) for _ in range(16)] + [None], [[]] * 16 + [prompt[:-1]])
+        fused.append(time.perf_counter() - started)
+        target.commit([[0]] * 16 + [None])
+        target.remove(row)
+        started = time.perf_counter()
+        target.verify([chain(0) for _ in range(16)])
+        prefill = target.start_prefill(prompt)
+        row = target.prefill_chunk(prefill, args.chunk)
+        apart.append(time.perf_counter() - started)
+        target.commit([[0]] * 16)
+        assert row is not None
+        target.remove(row)
+    print(
+        f"| 16 roots + a {args.chunk}-token prompt chunk, one pass | {16 + args.chunk} | "
+        f"{statistics.median(fused[1:]) * 1000:.0f} |"
+    )
+    print(
+        f"| 16 roots, then the chunk in a pass of its own | 16 + {args.chunk} | "
+        f"{statistics.median(apart[1:]) * 1000:.0f} |"
+    )
     return 0
 
 

@@ -208,28 +208,28 @@ class SlotCache:
         Entries already in place (a packed pass's prompt tokens, a chain accepted from its
         start) are not touched; the others move in one gather and one scatter per buffer."""
         moving: list[tuple[int, list[int], list[int]]] = []
-        for r, src in enumerate(sources):
+        for r, kept in enumerate(sources):
             start = self.lengths[r]
-            dst = list(range(start, start + len(src)))
-            if list(src) != dst:
-                first = next(i for i, (a, b) in enumerate(zip(src, dst, strict=True)) if a != b)
-                moving.append((r, list(src[first:]), dst[first:]))
-            self.lengths[r] = start + len(src)
+            target = list(range(start, start + len(kept)))
+            if list(kept) != target:
+                first = next(i for i, (a, b) in enumerate(zip(kept, target, strict=True)) if a != b)
+                moving.append((r, list(kept[first:]), target[first:]))
+            self.lengths[r] = start + len(kept)
         if not moving:
             return
-        width = max(len(src) for _, src, _ in moving)
+        width = max(len(f) for _, f, _ in moving)
         rows = torch.tensor([r for r, _, _ in moving], dtype=torch.long)[:, None]  # [m, 1]
         # short paths padded with their last move repeated (the same value to the same slot)
-        src = torch.tensor([s + [s[-1]] * (width - len(s)) for _, s, _ in moving])  # [m, w]
-        dst = torch.tensor([d + [d[-1]] * (width - len(d)) for _, _, d in moving])
+        src = torch.tensor([f + [f[-1]] * (width - len(f)) for _, f, _ in moving])  # [m, w]
+        dst = torch.tensor([t + [t[-1]] * (width - len(t)) for _, _, t in moving])
         for layer in self._layers():
             if layer.keys is None or layer.values is None:
                 continue
             device = layer.keys.device
-            r, s, d = rows.to(device), src.to(device), dst.to(device)
+            r_d, s_d, d_d = rows.to(device), src.to(device), dst.to(device)
             for buf in (layer.keys, layer.values):
-                moved = buf[r, :, s]  # [m, w, heads, dim]: a copy, read before any write
-                buf[r, :, d] = moved
+                moved = buf[r_d, :, s_d]  # [m, w, heads, dim]: a copy, read before any write
+                buf[r_d, :, d_d] = moved
 
     def row_entries(self, row: int) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
         """Row ``row``'s keys and values per layer (``[heads, len, dim]``), for tests."""

@@ -11,24 +11,24 @@ arithmetic, run over the trees' nodes packed into one sequence of ``sum(len(tree
 over ``rows x widest tree``: one sequence drafting four tokens adds four rows to the pass, not
 four per sequence. Only attention, which reads each row's own cache, sees the padded
 ``[rows, widest, ...]`` layout: :func:`packed_attention` scatters the packed queries into it and
-gathers the outputs back, and the cache writes each packed key at its row's next slots. So the cost of
-a pass is T(total nodes) and the batch budget can let one confident sequence draft while the
+gathers the outputs back, and the cache writes each packed key at its row's next slots. So the
+cost of a pass is T(total nodes) and the batch budget can let one confident sequence draft while the
 others do not. This is transformers' public attention interface
 (``AttentionInterface.register``), switched on for the pass only; a model whose attention is not
 one registered there (eager) gets the padded pass, where a padding query sees only its row's
 first new slot, so no softmax row is empty, and its logits are dropped.
 
-**Prompts ride the passes.** A newcomer gets a row at once (:meth:`BatchTarget.attach`) and
-its prompt enters as the *prefix* of its row in the next verification passes, a chunk per
-pass (:meth:`BatchTarget.verify`'s ``prefixes``): a causal chain from the row's committed end,
+**Prompts ride the passes.** A newcomer gets a row at once (:meth:`BatchTarget.attach`) and its
+prompt enters as the *prefix* of its row in the next verification passes, a chunk per pass
+(:meth:`BatchTarget.verify`'s ``prefixes``): a causal chain from the row's committed end,
 followed, in the pass that completes the prompt, by the row's first tree. On a CPU every pass
 streams all the weights, so a chunk in the others' pass costs its rows, not a pass of its own
-(measured on the bundled model: 16 decoding rows plus a 64-token chunk in 0.45 s, against
-0.22 s + 0.32 s as two passes), and the chunk's logits are never computed (only the trees'
-nodes reach the LM head). A newcomer therefore delays the others by one chunk's rows per step,
-never by its whole prompt. The older way, one chunk per call on a private single-sequence cache
-(:meth:`prefill_chunk`, :meth:`prefill_packed`) copied into a row when complete, remains for
-padded targets, where a chunk would widen every row of the pass.
+(measured on the bundled model: 16 decoding rows plus a 64-token chunk in 0.55 s, against 0.28
+s + 0.45 s as two passes; ``bench/packed_pass_cost.py``), and the chunk's logits are never
+computed (only the trees' nodes reach the LM head). A newcomer therefore delays the others by
+one chunk's rows per step, never by its whole prompt. The older way, one chunk per call on a
+private single-sequence cache (:meth:`prefill_chunk`, :meth:`prefill_packed`) copied into a row
+when complete, remains for padded targets, where a chunk would widen every row of the pass.
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ class _Group:
     nodes: torch.Tensor  # [M] packed index of each of its rows' non-root nodes
     at_row: torch.Tensor  # [M] that node's row's index within the group
     at_col: torch.Tensor  # [M] its place among its row's non-root nodes
+    span: int  # the slots its rows' nodes reach: the keys its call reads
 
 
 def _group_rows(sizes: Sequence[int]) -> list[list[int]]:
@@ -119,6 +120,7 @@ class Packing:
             starts.append(starts[-1] + k)
         groups = []
         for members in _group_rows(sizes):
+            reach = max(int(lengths[r]) + sizes[r] for r in members)
             nodes = [starts[r] + c for r in members for c in range(1, sizes[r])]
             at_row = [i for i, r in enumerate(members) for _ in range(1, sizes[r])]
             at_col = [c - 1 for r in members for c in range(1, sizes[r])]
@@ -129,6 +131,7 @@ class Packing:
                     torch.tensor(nodes, dtype=torch.long, device=device),
                     torch.tensor(at_row, dtype=torch.long, device=device),
                     torch.tensor(at_col, dtype=torch.long, device=device),
+                    reach,
                 )
             )
         return cls(
@@ -167,8 +170,9 @@ def packed_attention(
     for g in p.groups:
         padded = query.new_zeros(len(g.rows), flat.shape[1], g.width, flat.shape[2])
         padded[g.at_row, :, g.at_col] = flat[g.nodes]
-        keys, values = key.index_select(0, g.rows), value.index_select(0, g.rows)
-        mask = attention_mask.index_select(0, g.rows)[:, :, 1 : 1 + g.width]
+        keys = key.index_select(0, g.rows)[:, :, : g.span]
+        values = value.index_select(0, g.rows)[:, :, : g.span]
+        mask = attention_mask.index_select(0, g.rows)[:, :, 1 : 1 + g.width, : g.span]
         others, _ = p.base(module, padded, keys, values, mask, **kwargs)  # [g, w, h, hd]
         out[g.nodes] = others[g.at_row, g.at_col]
     return out[None], None  # [1, N, heads, head_dim]
@@ -434,17 +438,23 @@ class BatchTarget:
             if tree is not None:
                 new[r, p:size, p:size] = tree.ancestor_mask()
         positions = lengths[:, None] + depth  # [n, T]
-        # where each row's new slots start: its own end (packed), or the common offset
-        base = lengths if packing is not None else torch.full((n,), at, dtype=torch.long)
-        span = int((base + width).max())
+        # where each row's new slots start: its own end (packed), or the common offset; the
+        # pass attends over the slots its rows' nodes reach (padding columns cut off)
+        if packing is not None:
+            base = lengths
+            span = int((lengths + torch.tensor(sizes)).max())
+        else:
+            base = torch.full((n,), at, dtype=torch.long)
+            span = at + width
         col = torch.arange(span)
         full = torch.zeros(n, width, span, dtype=torch.bool)  # [n, T, S]
         key_pos = col[None, :].repeat(n, 1)  # committed slot j is position j
         for r in range(n):
             b = int(base[r])
+            w = min(width, span - b)
             full[r, :, : int(lengths[r])] = True
-            full[r, :, b : b + width] = new[r]
-            key_pos[r, b : b + width] = positions[r]
+            full[r, :, b : b + w] = new[r, :, :w]
+            key_pos[r, b : b + w] = positions[r, :w]
         layout = self.cache.layout
         masks: dict[str, torch.Tensor] = {}
         if FULL in layout.mask_types:
@@ -463,11 +473,11 @@ class BatchTarget:
             ids, positions = ids[rows, cols][None], positions[rows, cols][None]  # [1, N]
             if any(pre):  # the prefix tokens' logits are never read: skip their LM head
                 starts = packing.roots.cpu()
-                keep = torch.cat(
-                    [starts[r] + pre[r] + torch.arange(kept[r]) for r in range(n)]
-                ).to(device)
+                keep = torch.cat([starts[r] + pre[r] + torch.arange(kept[r]) for r in range(n)]).to(
+                    device
+                )
         self.cache.begin_pass(0, n, at, span, packing)
-        kwargs = {self.runner.cache_keyword: self.cache.hf}
+        kwargs: dict[str, Any] = {self.runner.cache_keyword: self.cache.hf}
         if isinstance(keep, torch.Tensor):
             kwargs["logits_to_keep"] = keep
         try:
@@ -513,7 +523,9 @@ class BatchTarget:
             if path is None and not p:
                 raise ValueError(f"row {r} verified a tree: give its path")
             full.append(list(range(p)) + [p + i for i in (path or ())])
-        self.cache.commit([[b + i for i in path] for b, path in zip(self._base_slots, full)])
+        self.cache.commit(
+            [[b + i for i in path] for b, path in zip(self._base_slots, full, strict=True)]
+        )
         if self._hidden is not None:
             for r, path in enumerate(full):
                 mine = self._hidden[r][path]
