@@ -297,11 +297,7 @@ class BatchTarget:
                 prefill.features.append(prefill.runner.last_hidden)
         if not prefill.finished:
             return None
-        layers = prefill.runner.cache.hf.layers
-        keys = [_entries(getattr(layer, "keys", None)) for layer in layers]
-        values = [_entries(getattr(layer, "values", None)) for layer in layers]
-        prefill.runner.reset()  # its cache now lives in the row
-        return self._add(prefill, keys, values)
+        return self.attach(prefill)  # its cache now lives in the row
 
     @torch.inference_mode()
     def prefill_packed(self, prefills: Sequence[Prefill]) -> list[int]:
@@ -356,8 +352,6 @@ class BatchTarget:
         layers = prefill.runner.cache.hf.layers
         keys = [_entries(getattr(layer, "keys", None)) for layer in layers]
         values = [_entries(getattr(layer, "values", None)) for layer in layers]
-        if not any(k is not None for k in keys):
-            keys, values = [None] * len(self.cache.hf.layers), []
         prefill.runner.reset()
         return self._add(prefill, keys, values)
 
