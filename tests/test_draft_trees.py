@@ -303,3 +303,48 @@ def test_a_noisy_calibration_is_fitted_monotone():
     costs = CostModel.calibrated({1: 1.0, 4: 1.0, 5: 1.5, 6: 1.6, 7: 1.3, 8: 2.3}, {})
     ratios = [costs.ratio(n) for n in (4, 5, 6, 7, 8)]
     assert ratios == sorted(ratios) and ratios[-1] == 2.3
+
+
+# -- the draft's default numerics ----------------------------------------------------------------
+
+
+def test_the_draft_defaults_to_the_fastest_cpu_numerics_and_stays_lossless(
+    tiny_pair, tiny_draft_dir, tiny64, tiny_tokenizer_dir, tmp_path_factory
+):
+    """A draft model on a CPU runs in int4 unless told otherwise (its rounding cannot reach the
+    output); a draft int4 cannot pack falls back to int8-dynamic, a float64 target (the
+    exactness reference) keeps a float64 draft, and dtype= still wins."""
+    from specdec.speculators.draft_model import default_draft_dtype
+    from specdec.target.lowbit import DynamicInt8Linear, Int4WeightLinear
+    from tests.conftest import build_tiny_model
+
+    def linears(engine) -> set[type]:
+        model = engine.speculator.runner.model
+        return {type(m) for m in model.modules() if "Linear" in type(m).__name__}
+
+    target, _ = tiny_pair
+    assert default_draft_dtype(target) == "int4"
+    assert default_draft_dtype(tiny64) == "float64"
+    # a 40-wide draft: its 20-wide k/v projections are no multiple of int4's 16-channel packing
+    odd = build_tiny_model(
+        tmp_path_factory.mktemp("odd_draft"), tiny_tokenizer_dir, seed=3, layers=1, hidden=40
+    )
+    cases = [
+        (target, f"draft:model={tiny_draft_dir}", {Int4WeightLinear}),
+        (target, f"draft:model={odd}", {DynamicInt8Linear}),
+        (target, f"draft:model={tiny_draft_dir},dtype=float32", None),
+        (tiny64, f"draft:model={tiny_draft_dir}", None),
+    ]
+    for loaded, spec, want in cases:
+        engine = SpeculativeEngine.from_pretrained(loaded, speculator=spec)
+        got = linears(engine)
+        if want is None:  # no low-bit layer at all
+            assert not got & {Int4WeightLinear, DynamicInt8Linear}, (spec, got)
+        else:
+            assert want <= got, (spec, got)
+        for prompt in PROMPTS[:2]:
+            spec_out = engine.generate(prompt, max_new_tokens=24)
+            plain = engine.generate(prompt, max_new_tokens=24, speculate=False)
+            assert spec_out.token_ids == plain.token_ids, (spec, prompt)
+    draft64 = SpeculativeEngine.from_pretrained(tiny64, speculator=f"draft:model={tiny_draft_dir}")
+    assert next(draft64.speculator.runner.model.parameters()).dtype == torch.float64
