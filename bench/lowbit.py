@@ -165,6 +165,42 @@ def gguf_check(gguf_path: Path, loaded) -> dict[str, float | int]:
     }
 
 
+def long_pass_times(repeats: int, rows: int = 700) -> dict[str, float]:
+    """A prompt's prefill through one 1536 -> 8960 projection (``rows`` rows, milliseconds):
+    the low-bit layers take their dense path there (dequantise once, one matmul in
+    :func:`~specdec.target.lowbit.dense_dtype`), priced against fp32 and a bf16 matmul, which
+    an AVX2-only CPU emulates, and the int4 kernel run over every row."""
+    from specdec.target.lowbit import Int4WeightLinear, dense_dtype
+
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(1536, 8960, bias=False)
+    int4 = Int4WeightLinear(ref, 32)
+    w_bf16 = ref.weight.detach().bfloat16()
+    x = torch.randn(rows, 1536)
+    x_bf16 = x.bfloat16()
+    cases = {
+        "fp32 matmul": lambda: ref(x),
+        "bf16 matmul": lambda: torch.nn.functional.linear(x_bf16, w_bf16),
+        "int4 kernel on every row": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x_bf16, int4.packed, 32, int4.scales_and_zeros
+        ),
+        f"int4 dense path ({str(dense_dtype()).removeprefix('torch.')})": lambda: int4(x),
+        "int4 dequantise alone": lambda: int4.dense(dense_dtype()),
+    }
+    out: dict[str, float] = {}
+    with torch.inference_mode():
+        for name, fn in cases.items():
+            fn()
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            out[name] = round(statistics.median(times) * 1000, 1)
+            print(f"{rows} rows, {name}: {out[name]} ms", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
@@ -190,8 +226,11 @@ def main() -> None:
             "isa": {
                 k: os.environ.get(k, "") for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
             },
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "native_bf16_matmul": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
             "threads": args.threads,
             "kernels_ms": kernel_times(max(args.repeats, 20)),
+            "long_pass_700_rows_ms": long_pass_times(max(args.repeats // 2, 3)),
         }
         if args.out:
             args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -239,3 +239,24 @@ def test_long_passes_take_the_dense_path_with_the_same_weights(make):
         dense = layer(x)  # one bf16 matmul over the dequantised weight
         kernel = torch.cat([layer(x[:DENSE_ROWS]), layer(x[DENSE_ROWS:])])
     assert float((dense - kernel).abs().max() / kernel.abs().max()) < 0.02
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("make", [Int8WeightLinear, Int4WeightLinear])
+def test_the_dense_path_multiplies_in_the_cpus_dense_dtype(monkeypatch, make, dtype):
+    # An AVX2-only CPU emulates bf16 matmuls (9x slower than fp32 at 700 rows), so long
+    # passes run in fp32 there; the kernel path below DENSE_ROWS stays bf16 either way.
+    import specdec.target.lowbit as lowbit
+
+    monkeypatch.setattr(lowbit, "_DENSE_DTYPE", dtype)
+    torch.manual_seed(3)
+    layer = make(nn.Linear(128, 64, bias=False))
+    x = torch.randn(lowbit.DENSE_ROWS + 1, 128)
+    if make is Int4WeightLinear:
+        weight = layer.dense(dtype)
+    else:
+        weight = layer.qweight.to(dtype) * layer.scale.to(dtype)[:, None]
+    with torch.no_grad():
+        assert torch.equal(layer(x), nn.functional.linear(x.to(dtype), weight).float())
+        kernel = torch.cat([layer(x[: lowbit.DENSE_ROWS]), layer(x[lowbit.DENSE_ROWS :])])
+    assert float((layer(x) - kernel).abs().max() / kernel.abs().max()) < 0.02

@@ -45,11 +45,29 @@ from specdec.errors import ConfigError
 INT4_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu packs 16 output channels together
 INT8_K_MULTIPLE = 16  # _weight_int8pack_mm reads 16 inputs at a time (and crashes on a rest)
 # Passes of more rows than this (a prompt's prefill, a draft's first catch-up) dequantise the
-# weight to bf16 once and run one dense matmul: the int4/int8 kernels cost ~0.4 ms per row on a
+# weight once and run one dense matmul: the int4/int8 kernels cost ~0.4 ms per row on a
 # 1536 x 8960 projection, so a 1,000-token prompt took about a minute through them. Plain and
 # speculative decoding prefill the same prompt the same way, and verification passes (at most
 # 64 rows) never take this path, so it cannot make their outputs differ.
 DENSE_ROWS = 64
+
+
+def dense_dtype() -> torch.dtype:
+    """The dtype of the dense path: bf16 where oneDNN multiplies bf16 natively (AVX-512, AMX),
+    fp32 elsewhere. On an AVX2-only CPU (an AMD EPYC here) a bf16 matmul is emulated: 700 rows
+    through an 896 x 4864 projection took 1,055 ms in bf16 against 116 ms in fp32, which made an
+    int4 draft's prompt catch-up cost twice the fp32 target's own prefill (docs/lowbit.md)."""
+    global _DENSE_DTYPE
+    if _DENSE_DTYPE is None:
+        try:
+            native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        except (AttributeError, RuntimeError):
+            native = False
+        _DENSE_DTYPE = torch.bfloat16 if native else torch.float32
+    return _DENSE_DTYPE
+
+
+_DENSE_DTYPE: torch.dtype | None = None
 
 
 def _bias(linear: nn.Linear) -> torch.Tensor | None:
@@ -151,20 +169,23 @@ class Int4WeightLinear(nn.Module):
         self.bias = _bias(linear)
         return self
 
-    def dense_bf16(self) -> torch.Tensor:
-        """The weight the kernel multiplies by, ``[N, K]`` in bf16 (for long passes)."""
-        n, k = self.out_features, self.in_features
+    def dense(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """The weight the kernel multiplies by, ``[N, K]`` in ``dtype`` (for long passes)."""
+        n, k, g = self.out_features, self.in_features, self.group
         lo, hi = self.nibbles & 15, self.nibbles >> 4  # [N, K/2] each
-        q = torch.stack([lo, hi], -1).reshape(n, k // self.group, self.group).float()
+        q = torch.stack([lo, hi], -1).view(n, k // g, g).float()
         s, z = self.scales_and_zeros.float().unbind(-1)  # [K/G, N] each
-        return ((q - 8) * s.t()[..., None] + z.t()[..., None]).reshape(n, k).to(torch.bfloat16)
+        s = s.t().contiguous().unsqueeze(-1)  # [N, K/G, 1]
+        # (q - 8) s + z as one fused pass, q s + (z - 8 s): a long pass dequantises every linear
+        # once, which took 3-7x longer as four separate full-size passes
+        return torch.addcmul(z.t().contiguous().unsqueeze(-1) - 8 * s, q, s).view(n, k).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _bf16_rows(
             x,
             self.out_features,
             self.bias,
-            lambda x2: torch.nn.functional.linear(x2, self.dense_bf16()),
+            lambda x2: torch.nn.functional.linear(x2, self.dense(x2.dtype)),
             lambda x2: torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x2, self.packed, self.group, self.scales_and_zeros
             ),
@@ -182,11 +203,15 @@ def _bf16_rows(
     dense: Callable[[torch.Tensor], torch.Tensor],
     kernel: Callable[[torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
-    """A weight-only linear on bf16 rows: the low-bit ``kernel`` for up to ``DENSE_ROWS`` rows
-    (decoding, verification), one ``dense`` bf16 matmul above (long prefill passes)."""
+    """A weight-only linear: the low-bit ``kernel`` on bf16 rows for up to ``DENSE_ROWS`` rows
+    (decoding, verification), one ``dense`` matmul in :func:`dense_dtype` above (long prefill
+    passes)."""
     shape = x.shape
-    x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
-    y = (dense(x2) if x2.shape[0] > DENSE_ROWS else kernel(x2)).float()
+    x2 = x.reshape(-1, shape[-1])
+    if x2.shape[0] > DENSE_ROWS:
+        y = dense(x2.to(dense_dtype())).float()
+    else:
+        y = kernel(x2.to(torch.bfloat16)).float()
     if bias is not None:
         y = y + bias
     return y.reshape(*shape[:-1], out_features)
@@ -212,7 +237,7 @@ class Int8WeightLinear(nn.Module):
             self.bias,
             lambda x2: torch.nn.functional.linear(
                 x2,
-                self.qweight.to(torch.bfloat16) * self.scale[:, None],  # [N, K]
+                self.qweight.to(x2.dtype) * self.scale.to(x2.dtype)[:, None],  # [N, K]
             ),
             lambda x2: torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scale),
         )
