@@ -565,14 +565,17 @@ def default_draft_dtype(target: LoadedModel) -> str:
     """The draft's numerics when none is asked for: the fastest measured, since the draft's
     rounding cannot reach the output (every drafted token is verified by the target).
 
-    On a CPU that is ``int4`` (weight-only, group 32): on the Qwen2.5-Coder pair a draft token
-    costs 57 ms in it against 212 ms in fp32 (0.13 of the fp32 target's step instead of 0.47),
+    On a CPU that is ``int4`` (weight-only, group 32): on the Qwen2.5-Coder pair on an AVX-512
+    Xeon a draft token costs 57 ms in it against 212 ms in fp32 (0.13 of the fp32 target's step
+    instead of 0.47),
     so the budget affords longer chains: in one benchmark run
-    (docs/2026-12-02-qwen-pair-cheap-draft.md) τ 3.77 against fp32's 2.80 and 2.15x over plain
+    (docs/2026-12-03-qwen-pair-cheap-draft.md) τ 3.77 against fp32's 2.80 and 2.15x over plain
     decoding against 1.43x (``int8-dynamic``: 2.06x; it takes any shape, so it is the fallback
     for a draft whose linears int4 cannot pack). A ``float64`` target is an exactness
     reference, so its draft stays float64; off the CPU there are no low-bit kernels and the
-    draft runs in the target's numerics.
+    draft runs in the target's numerics. On an AVX2-only CPU int4 is not the fastest kernel
+    (weight-only int8 runs one row in 1.14 ms against 1.95, docs/lowbit.md); an int8 draft there
+    is not benchmarked yet, so the default does not depend on the ISA.
     """
     if target.device.type != "cpu" or target.dtype_name == "float64":
         return target.dtype_name
