@@ -248,14 +248,11 @@ def test_the_dense_path_multiplies_in_the_cpus_dense_dtype(monkeypatch, make, dt
     # passes run in fp32 there; the kernel path below DENSE_ROWS stays bf16 either way.
     import specdec.target.lowbit as lowbit
 
-    monkeypatch.setattr(lowbit, "_DENSE_DTYPE", dtype)
+    monkeypatch.setattr(lowbit, "dense_dtype", lambda: dtype)
     torch.manual_seed(3)
     layer = make(nn.Linear(128, 64, bias=False))
     x = torch.randn(lowbit.DENSE_ROWS + 1, 128)
-    if make is Int4WeightLinear:
-        weight = layer.dense(dtype)
-    else:
-        weight = layer.qweight.to(dtype) * layer.scale.to(dtype)[:, None]
+    weight = layer.dense(dtype)
     with torch.no_grad():
         assert torch.equal(layer(x), nn.functional.linear(x.to(dtype), weight).float())
         kernel = torch.cat([layer(x[: lowbit.DENSE_ROWS]), layer(x[lowbit.DENSE_ROWS :])])

@@ -567,8 +567,7 @@ def default_draft_dtype(target: LoadedModel) -> str:
 
     On a CPU that is ``int4`` (weight-only, group 32): on the Qwen2.5-Coder pair on an AVX-512
     Xeon a draft token costs 57 ms in it against 212 ms in fp32 (0.13 of the fp32 target's step
-    instead of 0.47),
-    so the budget affords longer chains: in one benchmark run
+    instead of 0.47), so the budget affords longer chains: in one benchmark run
     (docs/2026-12-03-qwen-pair-cheap-draft.md) τ 3.77 against fp32's 2.80 and 2.15x over plain
     decoding against 1.43x (``int8-dynamic``: 2.06x; it takes any shape, so it is the fallback
     for a draft whose linears int4 cannot pack). A ``float64`` target is an exactness

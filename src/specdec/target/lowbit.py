@@ -33,6 +33,7 @@ on CUDA they are refused (:func:`specdec.target.numerics.check_numerics_device`)
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -52,22 +53,17 @@ INT8_K_MULTIPLE = 16  # _weight_int8pack_mm reads 16 inputs at a time (and crash
 DENSE_ROWS = 64
 
 
+@functools.cache
 def dense_dtype() -> torch.dtype:
     """The dtype of the dense path: bf16 where oneDNN multiplies bf16 natively (AVX-512, AMX),
     fp32 elsewhere. On an AVX2-only CPU (an AMD EPYC here) a bf16 matmul is emulated: 700 rows
-    through an 896 x 4864 projection took 1,055 ms in bf16 against 116 ms in fp32, which made an
-    int4 draft's prompt catch-up cost twice the fp32 target's own prefill (docs/lowbit.md)."""
-    global _DENSE_DTYPE
-    if _DENSE_DTYPE is None:
-        try:
-            native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        except (AttributeError, RuntimeError):
-            native = False
-        _DENSE_DTYPE = torch.bfloat16 if native else torch.float32
-    return _DENSE_DTYPE
-
-
-_DENSE_DTYPE: torch.dtype | None = None
+    through a 1536 x 8960 projection took 1,799 ms in bf16 against 212 ms in fp32, which made an
+    int4 draft's prompt catch-up cost more than the fp32 target's own prefill (docs/lowbit.md)."""
+    try:
+        native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        native = False
+    return torch.bfloat16 if native else torch.float32
 
 
 def _bias(linear: nn.Linear) -> torch.Tensor | None:
@@ -235,12 +231,13 @@ class Int8WeightLinear(nn.Module):
             x,
             self.out_features,
             self.bias,
-            lambda x2: torch.nn.functional.linear(
-                x2,
-                self.qweight.to(x2.dtype) * self.scale.to(x2.dtype)[:, None],  # [N, K]
-            ),
+            lambda x2: torch.nn.functional.linear(x2, self.dense(x2.dtype)),
             lambda x2: torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scale),
         )
+
+    def dense(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """The weight the kernel multiplies by, ``[N, K]`` in ``dtype`` (for long passes)."""
+        return self.qweight.to(dtype) * self.scale.to(dtype)[:, None]
 
     def weight_bytes(self) -> int:
         return _nbytes(self.qweight, self.scale, self.bias)
