@@ -179,3 +179,72 @@ def calibrate_cost(
     if save:
         path = save_cost_calibration(loaded, calibration)
         err_console.print(f"saved the verification cost for this model in {path}")
+
+
+@calibrate_app.command("vocab")
+def calibrate_vocab(
+    files: Annotated[
+        list[Path] | None,
+        typer.Argument(help="Text like the traffic the draft serves (.txt, .json, .jsonl)."),
+    ] = None,
+    sharegpt: Annotated[
+        int,
+        typer.Option(
+            "--sharegpt",
+            help="Also count the answers of this many ShareGPT conversations (scripts/"
+            "install.sh installs the file; conversations overlapping an eval set are skipped).",
+        ),
+    ] = 0,
+    eval_dir: Annotated[
+        Path | None,
+        typer.Option("--eval-dir", help="shared/data/eval, for the --sharegpt overlap filter."),
+    ] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", help="Write the ranking into this directory instead of the cache."),
+    ] = None,
+    model: ModelOpt = None,
+    gguf: GgufOpt = None,
+) -> None:
+    """Count token frequencies for the model's tokenizer and save the ranking that
+    `draft:...,vocab=N` keeps the N most frequent tokens of (a draft that scores fewer tokens
+    reads less of its LM head per drafted token)."""
+    import itertools
+
+    import numpy as np
+    from tqdm import tqdm
+
+    from specdec.cli.common import load_target
+    from specdec.errors import ConfigError
+    from specdec.speculators.draft_vocab import (
+        count_tokens,
+        ranking_from_counts,
+        save_ranking,
+        texts_from_files,
+    )
+
+    with user_errors():
+        if not files and sharegpt <= 0:
+            raise ConfigError("give text files to count over, --sharegpt N, or both")
+        loaded = load_target(model, gguf, "float32", None)
+        vocab_size = int(loaded.model.config.vocab_size)
+        del loaded.model  # only the tokenizer counts
+        texts: itertools.chain[str] = itertools.chain(texts_from_files(files or []))
+        if sharegpt > 0:
+            from specdec.cli.data import DEFAULT_EVAL_DIR
+            from specdec.training.sources import EvalOverlap, sharegpt_answers, sharegpt_file
+
+            overlap = EvalOverlap.from_eval_dir(eval_dir or DEFAULT_EVAL_DIR)
+            texts = itertools.chain(texts, sharegpt_answers(sharegpt_file(), overlap, sharegpt))
+        progress = tqdm(texts, desc="counting", unit="text")
+        counts = count_tokens(loaded.tokenizer, progress, vocab_size)
+        if counts.sum() == 0:
+            raise ConfigError("the texts hold no tokens; nothing to rank")
+        ranking = ranking_from_counts(counts)
+        path = save_ranking(loaded.tokenizer, ranking, out)
+    total = counts.sum()
+    order = np.sort(counts)[::-1]
+    cover = {n: float(order[:n].sum() / total) for n in (8192, 16384, 32768, 65536)}
+    shown = ", ".join(f"{n}: {c:.2%}" for n, c in cover.items())
+    err_console.print(f"{int(total):,} tokens counted; share covered by the top N: {shown}")
+    err_console.print(f"saved the token ranking in {path}")

@@ -290,6 +290,7 @@ def _draft(options: Any, target: str, local: LocalTarget, out: Path | None) -> _
         "has no early stop on draft confidence",
         "dtype": "vLLM runs the draft in the serving dtype (its --dtype), not one of its own",
         "tree": "vLLM's draft model drafts a chain of num_speculative_tokens, no token trees",
+        "vocab": "vLLM's draft model scores its whole vocabulary (no reduced draft head)",
     }
     config: dict[str, Any] = {"method": "draft_model", "num_speculative_tokens": _k(options)}
     if spec.startswith("layers:"):

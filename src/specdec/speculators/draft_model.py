@@ -38,6 +38,7 @@ from specdec.config import SamplingConfig
 from specdec.control.budget import CostModel
 from specdec.errors import ConfigError, VocabularyMismatchError
 from specdec.speculators.base import DraftContext, Feedback, Speculator
+from specdec.speculators.draft_vocab import SubsetHead
 from specdec.speculators.spec import SpeculatorOptions, option, register
 from specdec.target import LoadedModel, ModelRunner, early_exit_model, load_model
 from specdec.target.masks import attention_masks
@@ -106,6 +107,12 @@ class DraftOptions(SpeculatorOptions):
         "fastest draft measured; int8-dynamic where int4 cannot pack a layer), the target's "
         "numerics elsewhere and for a float64 target",
     )
+    vocab: int = option(
+        0,
+        help="score only the N most frequent tokens in the draft's LM head (0: all); a token "
+        "outside them is never drafted, which costs acceptance, never correctness. Needs a "
+        "token ranking for the tokenizer (shipped for Qwen2.5; `specdec calibrate vocab`)",
+    )
     tree: str = option(
         "chain",
         help="chain (one draft per depth, its length chosen by the adaptive budget), auto "
@@ -125,6 +132,15 @@ class DraftOptions(SpeculatorOptions):
             raise ConfigError(
                 "draft: a layers:N draft shares the target's weights, so it runs in the "
                 "target's numerics; drop dtype= or use a separate draft model"
+            )
+        if self.vocab < 0:
+            raise ConfigError(
+                f"draft: vocab must be >= 0 (0: the full vocabulary), got {self.vocab}"
+            )
+        if self.model.startswith("layers:") and self.vocab:
+            raise ConfigError(
+                "draft: vocab= needs a separate draft model (a layers:N draft shares the "
+                "target's LM head); drop vocab="
             )
         if self.dtype is not None:
             from specdec.target.numerics import get_numerics
@@ -235,6 +251,7 @@ class DraftModelSpeculator(Speculator):
         tokens = context.tokens
         if budget < 1:
             return DraftTree.root_only(tokens[-1])
+        self._include_context(tokens)
         cache = self.runner.cache
         # Reuse the cached prefix; at least the last committed token is fed to get its logits.
         keep = min(common_prefix_len(cache.tokens, tokens), len(tokens) - 1)
@@ -263,6 +280,12 @@ class DraftModelSpeculator(Speculator):
         if q_rows:
             draft_probs = torch.stack([torch.zeros_like(q_rows[0]), *q_rows])  # [N, V]
         return DraftTree.chain(tokens[-1], drafts, draft_probs)
+
+    def _include_context(self, tokens: list[int]) -> None:
+        """A reduced-vocabulary head (``vocab=``) also scores the request's own tokens."""
+        head = self.runner.model.get_output_embeddings()
+        if isinstance(head, SubsetHead):
+            head.include(tokens)  # a set difference over the context: ~0.1 ms a step
 
     # -- trees ---------------------------------------------------------------------------------
     def _forward_cost(self, context: DraftContext) -> float:
@@ -305,6 +328,7 @@ class DraftModelSpeculator(Speculator):
             self._skipped += 1
             return DraftTree.root_only(root)
         self._skipped = 0
+        self._include_context(tokens)
         cache = self.runner.cache
         keep = min(common_prefix_len(cache.tokens, tokens), len(tokens) - 1)
         cache.rollback(keep)
@@ -565,16 +589,15 @@ def default_draft_dtype(target: LoadedModel) -> str:
     """The draft's numerics when none is asked for: the fastest measured, since the draft's
     rounding cannot reach the output (every drafted token is verified by the target).
 
-    On a CPU that is ``int4`` (weight-only, group 32): on the Qwen2.5-Coder pair on an AVX-512
-    Xeon a draft token costs 57 ms in it against 212 ms in fp32 (0.13 of the fp32 target's step
-    instead of 0.47), so the budget affords longer chains: in one benchmark run
-    (docs/2026-12-03-qwen-pair-cheap-draft.md) τ 3.77 against fp32's 2.80 and 2.15x over plain
-    decoding against 1.43x (``int8-dynamic``: 2.06x; it takes any shape, so it is the fallback
-    for a draft whose linears int4 cannot pack). A ``float64`` target is an exactness
-    reference, so its draft stays float64; off the CPU there are no low-bit kernels and the
-    draft runs in the target's numerics. On an AVX2-only CPU int4 is not the fastest kernel
-    (weight-only int8 runs one row in 1.14 ms against 1.95, docs/lowbit.md); an int8 draft there
-    is not benchmarked yet, so the default does not depend on the ISA.
+    On a CPU that is ``int4`` (weight-only, group 32) on both kinds of machine measured. On the
+    Qwen2.5-Coder 0.5B draft: an AVX-512 Xeon, one thread, 57 ms per token against 212 ms in
+    fp32 (0.13 of the fp32 target's step instead of 0.47; docs/lowbit.md); an AVX2-only EPYC,
+    two threads, drafting a chain over a 300-token cache, 57-61 ms against weight-only int8's
+    62-90 and fp32's 129 (docs/2026-12-03-draft-vocab.md). int8's faster single projection on
+    AVX2 (1.14 ms against 1.95, a weight hot in cache) does not survive a whole forward.
+    ``int8-dynamic`` takes any shape, so it is the fallback for a draft whose linears int4
+    cannot pack. A ``float64`` target is an exactness reference, so its draft stays float64;
+    off the CPU there are no low-bit kernels and the draft runs in the target's numerics.
     """
     if target.device.type != "cpu" or target.dtype_name == "float64":
         return target.dtype_name
@@ -633,7 +656,15 @@ def _build(target: LoadedModel, options: DraftOptions) -> DraftModelSpeculator:
         )
     draft = _load_draft(spec, options, target)
     check_same_vocabulary(target, draft)
-    runner = ModelRunner(draft.model)
+    model = draft.model
+    if options.vocab:
+        from specdec.speculators.draft_vocab import draft_vocabulary, with_subset_head
+
+        vocab_size = int(draft.model.config.vocab_size)
+        keep = {*draft.tokenizer.all_special_ids, *draft.eos_token_ids, *target.eos_token_ids}
+        ids = draft_vocabulary(draft.tokenizer, options.vocab, vocab_size, keep)
+        model = with_subset_head(draft.model, ids, draft.dtype_name)
+    runner = ModelRunner(model)
     draft_params = _weights(draft.model)
     speculator = DraftModelSpeculator(
         runner,

@@ -218,20 +218,45 @@ def apply_numerics(model: nn.Module, numerics: Numerics, device: torch.device | 
                 )
             return "fp32, stock nn.Linear (cuBLAS, TF32 off) (default)"
         return numerics.description
-    if numerics.name == "float32":
-        if not onednn_available():
-            return "fp32, stock nn.Linear (oneDNN unavailable in this torch build)"
-        _swap_linears(model, PackedLinear)
+    if numerics.name == "float32" and not onednn_available():
+        return "fp32, stock nn.Linear (oneDNN unavailable in this torch build)"
+    make = _cpu_linear_maker(numerics.name)
+    if make is not None:
+        if numerics.name in lowbit.SCHEMES:
+            lowbit.check_shapes(model, numerics.name)  # refuse before anything is swapped
+        _swap_linears(model, make)
         _own_tensors(model)
-    elif numerics.name == "fp16-weights":
-        _swap_linears(model, Fp16WeightLinear)
-        _own_tensors(model)
-    elif numerics.name in lowbit.SCHEMES:
-        lowbit.check_shapes(model, numerics.name)  # refuse before anything is swapped
-        _swap_linears(model, lowbit.SCHEMES[numerics.name].make)
-        _own_tensors(model)
-        lowbit.use_rowwise_attention(model)  # rounding activations needs a row-invariant forward
+        if numerics.name in lowbit.SCHEMES:
+            # rounding activations needs a row-invariant forward
+            lowbit.use_rowwise_attention(model)
     return numerics.description
+
+
+def _cpu_linear_maker(name: str) -> Callable[[nn.Linear], nn.Module] | None:
+    """What a CPU ``nn.Linear`` becomes under numerics ``name`` (``None``: it stays a stock
+    linear in the storage dtype)."""
+    if name == "float32":
+        return PackedLinear if onednn_available() else None
+    if name == "fp16-weights":
+        return Fp16WeightLinear
+    if name in lowbit.SCHEMES:
+        return lowbit.SCHEMES[name].make
+    return None
+
+
+def linear_like(linear: nn.Linear, name: str, device: torch.device) -> nn.Module:
+    """One fp32 ``linear`` in numerics ``name`` on ``device``, as :func:`apply_numerics` would
+    have converted it inside a model (e.g. a draft's reduced LM head, built after loading)."""
+    numerics = get_numerics(name)
+    linear = linear.to(numerics.storage_dtype)
+    make = _cpu_linear_maker(name) if device.type == "cpu" else None
+    if make is None:
+        return linear.to(device)
+    if name in lowbit.SCHEMES:
+        error = lowbit.SCHEMES[name].shape_error("a linear layer", linear)
+        if error:
+            raise ConfigError(error)
+    return make(linear)
 
 
 @torch.no_grad()

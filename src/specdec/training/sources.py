@@ -265,6 +265,30 @@ def select_sharegpt(path: str | Path, overlap: EvalOverlap, *, turns: int = 1) -
     return sel
 
 
+def sharegpt_answers(path: str | Path, overlap: EvalOverlap, limit: int) -> Iterator[str]:
+    """The assistant turns of the first ``limit`` ShareGPT conversations that
+    :func:`select_sharegpt` would keep (opened by a user, first of their opening text, no user
+    turn overlapping an eval set), in file order: text of the kind a chat draft proposes."""
+    seen: set[str] = set()
+    kept = 0
+    for record in JsonArrayReader(path):
+        if kept >= limit:
+            return
+        user = _user_turns(record)
+        if user is None:
+            continue
+        key = normalize(user[0])
+        if key in seen or any(overlap.overlaps(t) for t in user):
+            continue
+        seen.add(key)
+        kept += 1
+        for m in record["conversations"]:
+            if isinstance(m, dict) and m.get("from") not in USER_ROLES:
+                value = m.get("value")
+                if isinstance(value, str) and value.strip():
+                    yield value
+
+
 # ------------------------------------------------------------------------------ eval overlap
 
 
