@@ -150,7 +150,8 @@ def test_bad_vocab_options_fail_before_loading():
         parse_spec("draft:model=/nowhere,vocab=-1")
     with pytest.raises(ConfigError, match="layers:N draft shares"):
         parse_spec("draft:model=layers:2,vocab=64")
-    assert parse_spec("draft:model=/nowhere").vocab == 0
+    assert parse_spec("draft:model=/nowhere").vocab is None  # the default: see below
+    assert parse_spec("draft:model=/nowhere,vocab=0").vocab == 0
 
 
 def test_a_vocab_draft_without_a_ranking_says_how_to_make_one(tiny_model_dir, tiny_draft_dir):
@@ -206,3 +207,27 @@ def test_context_tokens_outside_the_subset_are_scored_with_the_tied_rows(tiny_mo
     scored = [*range(64), 300, 301]
     torch.testing.assert_close(part[..., scored], full[..., scored])
     assert torch.isinf(part[..., 302]).all()
+
+
+def test_the_default_reduces_only_a_large_vocabulary_with_a_ranking(
+    tiny64, tiny_draft_dir, monkeypatch
+):
+    """32768 of Qwen's 151,936 tokens by default; here the threshold scales to the tiny
+    tokenizer (384 tokens): no ranking or too small a vocabulary keeps the full head, and
+    vocab=0 always does."""
+    from specdec.speculators import draft_model
+
+    def head(spec: str):
+        engine = SpeculativeEngine.from_pretrained(tiny64, speculator=spec)
+        return engine.speculator.runner.model.get_output_embeddings()
+
+    spec = f"draft:model={tiny_draft_dir}"
+    monkeypatch.setattr(draft_model, "DEFAULT_DRAFT_VOCAB", 128)
+    assert not isinstance(head(spec), SubsetHead)  # no ranking yet
+    tok = tiny64.tokenizer
+    save_ranking(tok, ranking_from_counts(count_tokens(tok, [TEXT], len(tok))))
+    reduced = head(spec)
+    assert isinstance(reduced, SubsetHead) and len(reduced.ids) == 128
+    assert not isinstance(head(f"{spec},vocab=0"), SubsetHead)
+    monkeypatch.setattr(draft_model, "DEFAULT_DRAFT_VOCAB", 192)  # 384 is not over twice that
+    assert not isinstance(head(spec), SubsetHead)
