@@ -226,9 +226,11 @@ def calibrate_vocab(
     with user_errors():
         if not files and sharegpt <= 0:
             raise ConfigError("give text files to count over, --sharegpt N, or both")
-        loaded = load_target(model, gguf, "float32", None)
+        # only the tokenizer and the vocabulary size count: stock fp32 skips repacking the
+        # weights (oneDNN's float32 default would repack all of them for nothing)
+        loaded = load_target(model, gguf, "float32-stock", None)
         vocab_size = int(loaded.model.config.vocab_size)
-        del loaded.model  # only the tokenizer counts
+        del loaded.model
         texts: itertools.chain[str] = itertools.chain(texts_from_files(files or []))
         if sharegpt > 0:
             from specdec.cli.data import DEFAULT_EVAL_DIR
