@@ -449,8 +449,21 @@ SCHEMES: dict[str, LowBitScheme] = {
             n_multiple=INT4_N_MULTIPLE,
             hint="Use int4 (group 32), int8 or int8-dynamic.",
         ),
+        LowBitScheme(
+            "int4-ort",
+            "int4 weights, group 32, int8 activation blocks (onnxruntime MLAS MatMulNBits)",
+            lambda linear: _ort_linear(linear),
+            k_multiple=32,
+            hint="Use int8 or int8-dynamic.",
+        ),
     )
 }
+
+
+def _ort_linear(linear: nn.Linear) -> nn.Module:
+    from specdec.target.ort_int4 import OrtInt4Linear  # onnxruntime is an optional extra
+
+    return OrtInt4Linear(linear)
 
 
 def check_shapes(model: nn.Module, name: str) -> None:
@@ -467,10 +480,13 @@ def weight_bytes(model: nn.Module) -> int:
     """Bytes of every linear layer's weights (packed, with scales and biases) in ``model``:
     what one decoding step reads besides one embedding row."""
     from specdec.target.numerics import Fp16WeightLinear, PackedLinear
+    from specdec.target.ort_int4 import OrtInt4Linear
 
     total = 0
     for module in model.modules():
-        if isinstance(module, (Int4WeightLinear, Int8WeightLinear, DynamicInt8Linear)):
+        if isinstance(
+            module, (Int4WeightLinear, Int8WeightLinear, DynamicInt8Linear, OrtInt4Linear)
+        ):
             total += module.weight_bytes()
         elif isinstance(module, nn.Linear):
             total += _nbytes(module.weight, module.bias)
