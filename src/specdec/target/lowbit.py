@@ -396,9 +396,14 @@ def _nbytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+def _nothing(*args: object) -> None:
+    return None
+
+
 @dataclass(frozen=True)
 class LowBitScheme:
-    """One ``--dtype`` choice: how to build a swapped linear, and which shapes it takes."""
+    """One ``--dtype`` choice: how to build a swapped linear, which shapes it takes, what must
+    be installed for it, and what the model needs once its linears are swapped."""
 
     name: str
     description: str
@@ -406,6 +411,9 @@ class LowBitScheme:
     k_multiple: int = 1  # in_features must be a multiple of this
     n_multiple: int = 1  # out_features must be a multiple of this
     hint: str = ""  # what to use instead when a shape is refused
+    kernels: str = "torch's CPU quantised-linear kernels"  # named when refused off the CPU
+    requires: Callable[[], None] = _nothing  # a clear error where the kernels are missing
+    after_swap: Callable[[nn.Module], None] = _nothing  # beyond row-wise attention
 
     def shape_error(self, where: str, linear: nn.Linear) -> str | None:
         n, k = linear.out_features, linear.in_features
@@ -416,6 +424,25 @@ class LowBitScheme:
                 f"{self.n_multiple}; nothing was quantised. {self.hint}"
             )
         return None
+
+
+# onnxruntime is an optional extra: its module is imported only when int4-ort is asked for
+def _ort_linear(linear: nn.Linear) -> nn.Module:
+    from specdec.target.ort_int4 import OrtInt4Linear
+
+    return OrtInt4Linear(linear)
+
+
+def _require_ort() -> None:
+    from specdec.target.ort_int4 import require_ort
+
+    require_ort()
+
+
+def _ort_threads(model: nn.Module) -> None:
+    from specdec.target.ort_int4 import torch_single_threaded
+
+    torch_single_threaded(model)
 
 
 SCHEMES: dict[str, LowBitScheme] = {
@@ -452,18 +479,15 @@ SCHEMES: dict[str, LowBitScheme] = {
         LowBitScheme(
             "int4-ort",
             "int4 weights, group 32, int8 activation blocks (onnxruntime MLAS MatMulNBits)",
-            lambda linear: _ort_linear(linear),
+            _ort_linear,
             k_multiple=32,
             hint="Use int8 or int8-dynamic.",
+            kernels="onnxruntime's CPU int4 kernels (MLAS)",
+            requires=_require_ort,
+            after_swap=_ort_threads,
         ),
     )
 }
-
-
-def _ort_linear(linear: nn.Linear) -> nn.Module:
-    from specdec.target.ort_int4 import OrtInt4Linear  # onnxruntime is an optional extra
-
-    return OrtInt4Linear(linear)
 
 
 def check_shapes(model: nn.Module, name: str) -> None:

@@ -148,8 +148,7 @@ def get_numerics(name: str) -> Numerics:
 # modes built on CPU-only kernels (oneDNN prepacking, fbgemm); elsewhere "float32" is stock
 _CPU_ONLY = {
     "fp16-weights": "fbgemm's fp16-weight GEMM",
-    **{name: "torch's CPU quantised-linear kernels" for name in lowbit.SCHEMES},
-    "int4-ort": "onnxruntime's CPU int4 kernels (MLAS)",
+    **{name: scheme.kernels for name, scheme in lowbit.SCHEMES.items()},
 }
 
 
@@ -223,21 +222,16 @@ def apply_numerics(model: nn.Module, numerics: Numerics, device: torch.device | 
         return "fp32, stock nn.Linear (oneDNN unavailable in this torch build)"
     make = _cpu_linear_maker(numerics.name)
     if make is not None:
-        if numerics.name == "int4-ort":
-            from specdec.target.ort_int4 import require_ort
-
-            require_ort()
-        if numerics.name in lowbit.SCHEMES:
-            lowbit.check_shapes(model, numerics.name)  # refuse before anything is swapped
+        scheme = lowbit.SCHEMES.get(numerics.name)
+        if scheme is not None:  # refuse before anything is swapped
+            scheme.requires()
+            lowbit.check_shapes(model, numerics.name)
         _swap_linears(model, make)
         _own_tensors(model)
-        if numerics.name in lowbit.SCHEMES:
+        if scheme is not None:
             # rounding activations needs a row-invariant forward
             lowbit.use_rowwise_attention(model)
-        if numerics.name == "int4-ort":
-            from specdec.target.ort_int4 import torch_single_threaded
-
-            torch_single_threaded(model)
+            scheme.after_swap(model)
     return numerics.description
 
 

@@ -92,7 +92,7 @@ def _global_pool() -> None:
     session with spinning workers (onnxruntime's default) took 5.7 s, every idle pool's worker
     spinning on the core the next session needs; pools per session whose workers sleep, 128 ms;
     this shared pool with torch itself on one thread during the forward (see
-    :func:`torch_single_threaded`), 108 ms."""
+    :func:`torch_single_threaded`), 91-108 ms."""
     import onnxruntime as ort
     from onnxruntime.capi import _pybind_state
 
@@ -101,11 +101,6 @@ def _global_pool() -> None:
         _pybind_state.set_global_thread_pool_sizes(threads, 1)
         ort.get_available_providers()  # creates the environment with that pool
         _POOL.append(threads)
-
-
-def pool_threads() -> int:
-    """Threads of the shared onnxruntime pool (0 before the first int4-ort layer is built)."""
-    return _POOL[0] if _POOL else 0
 
 
 def _session(k: int, n: int, codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray):
