@@ -408,6 +408,9 @@ class SpeculativeEngine:
     def _budget_policy(self, config: GenerationConfig) -> AdaptiveBudget | FixedBudget | NodeBudget:
         if self.arms is not None or self.speculator.drafts_trees:
             return NodeBudget()  # the arm controller, or a tree speculator, sizes the draft
+        cap = self.speculator.chain_cap(config.sampling)
+        if cap is not None:  # the speculator stops its chain itself, up to cap tokens
+            return FixedBudget(cap)
         if not self.adaptive:
             return FixedBudget(self.num_draft_tokens)
         # Sampled output depends on the drafts, so its budget must not depend on timing.

@@ -129,6 +129,13 @@ class Speculator:
         clone.reset()
         return clone
 
+    def chain_cap(self, sampling: SamplingConfig) -> int | None:
+        """For a chain speculator that sizes its own chains token by token (it sees each
+        token's confidence, which a length chosen before drafting cannot): the most tokens it
+        drafts in a step, and the engine then only caps that by the request's remaining tokens
+        and context room. ``None`` (the default): the engine's budget sizes the draft."""
+        return None
+
     def catch_up_seconds(self) -> float:
         """Seconds of the last :meth:`propose` spent catching up on committed context (a draft
         model reading the tokens it had not seen) rather than drafting. Pricing leaves it out

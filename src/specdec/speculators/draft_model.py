@@ -48,6 +48,8 @@ from specdec.verify import probs_from_logits, sample
 MAX_TREE_NODES = 32  # drafted nodes of one tree, at most
 _PRIOR = CostModel.prior()
 DEFAULT_TREE_DEPTH = 8  # deepest tree drafted when k= is not given
+DEFAULT_CHAIN_DEPTH = 16  # longest self-sized chain (length=auto) when k= is not given
+CHAIN_LENGTHS = ("auto", "budget")
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,14 @@ class DraftOptions(SpeculatorOptions):
         "32768 where the vocabulary is over twice that and a token ranking exists for the "
         "tokenizer (shipped for Qwen2.5; `specdec calibrate vocab`), else all",
     )
+    length: str = option(
+        "auto",
+        help="how a greedy chain's length is chosen: auto (token by token: one more token while "
+        "its chance of acceptance, from the draft's calibrated confidence, is worth its drafting "
+        "and verification cost at the request's measured rate; up to k, default 16) or budget "
+        "(the engine's adaptive budget picks a length before drafting, from acceptance by "
+        "position). Sampled requests always use budget (their drafts must not depend on timing)",
+    )
     tree: str = option(
         "chain",
         help="chain (one draft per depth, its length chosen by the adaptive budget), auto "
@@ -127,6 +137,10 @@ class DraftOptions(SpeculatorOptions):
         TreeShape.parse(self.tree)  # a bad tree fails here, before anything loads
         if not 0.0 <= self.min_confidence < 1.0:
             raise ConfigError(f"draft: min_confidence must be in [0, 1), got {self.min_confidence}")
+        if self.length not in CHAIN_LENGTHS:
+            raise ConfigError(
+                f"draft: length={self.length!r}: expected one of {', '.join(CHAIN_LENGTHS)}"
+            )
         if self.model.startswith("layers:") and not self.model[7:].isdigit():
             raise ConfigError(f"draft: model={self.model!r}: expected layers:N with N an integer")
         if self.model.startswith("layers:") and self.dtype is not None:
@@ -178,6 +192,15 @@ class _Calibration:
 
 
 @dataclass
+class _Chain:
+    """The last self-sized chain, until verification says how much of it was accepted."""
+
+    tree: DraftTree
+    confs: list[float]  # the draft's probability of each drafted token
+    cost: float  # the step's price in target steps: verification plus draft forwards
+
+
+@dataclass
 class _Drafted:
     """The last tree drafted into the draft's cache, until verification says what to keep."""
 
@@ -203,10 +226,15 @@ class DraftModelSpeculator(Speculator):
         tree: TreeShape | None = None,
         max_depth: int | None = None,
         cost_prior: float = 0.35,
+        length: str = "auto",
     ) -> None:
-        """``tree``: draft token trees of this shape (``None``: chains, sized by the engine's
-        adaptive budget); ``max_depth`` caps a tree's depth; ``cost_prior`` is a draft forward's
-        cost in target steps when none is measured (sampled requests always use it)."""
+        """``tree``: draft token trees of this shape (``None``: chains); ``max_depth`` caps a
+        tree's depth or a self-sized chain's length; ``cost_prior`` is a draft forward's cost in
+        target steps when none is measured (sampled requests always use it); ``length``: how a
+        greedy chain is sized, ``auto`` (here, token by token) or ``budget`` (the engine's
+        adaptive budget, before drafting)."""
+        if length not in CHAIN_LENGTHS:
+            raise ConfigError(f"length must be one of {', '.join(CHAIN_LENGTHS)}, got {length!r}")
         if not 0.0 <= min_confidence < 1.0:
             raise ConfigError(f"min_confidence must be in [0, 1), got {min_confidence}")
         self.runner = runner
@@ -221,6 +249,8 @@ class DraftModelSpeculator(Speculator):
                 )
             self.drafts_trees = True  # type: ignore[misc]  # the engine then sizes nothing
         self.max_depth = max_depth or DEFAULT_TREE_DEPTH
+        self.chain_depth = max_depth or DEFAULT_CHAIN_DEPTH
+        self.length = length
         self.cost_prior = cost_prior
         self._step_seconds = 0.0  # running average of a first forward over <= 2 tokens
         self._forward_seconds = 0.0  # running average of one tree-drafting forward
@@ -230,8 +260,10 @@ class DraftModelSpeculator(Speculator):
     def _reset_request(self) -> None:
         self._catch_up = 0.0
         self._drafted: _Drafted | None = None
+        self._chain: _Chain | None = None
         self._alpha = 0.7  # this request's acceptance of a top draft, a moving average
-        self._skipped = 0  # steps since the last tree
+        self._skipped = 0  # steps since the last tree (or self-sized chain)
+        self._rate = 1.0  # committed tokens per target step over this request's drafted steps
 
     def reset(self) -> None:
         self.runner.reset()
@@ -246,9 +278,16 @@ class DraftModelSpeculator(Speculator):
         clone._reset_request()
         return clone
 
+    def chain_cap(self, sampling: SamplingConfig) -> int | None:
+        if self.tree is None and self.length == "auto" and sampling.greedy:
+            return self.chain_depth
+        return None
+
     def propose(self, context: DraftContext, budget: int) -> DraftTree:
         if self.tree is not None:
             return self._propose_tree(context, budget)
+        if self.chain_cap(context.sampling) is not None:
+            return self._propose_sized_chain(context, budget)
         tokens = context.tokens
         if budget < 1:
             return DraftTree.root_only(tokens[-1])
@@ -281,6 +320,62 @@ class DraftModelSpeculator(Speculator):
         if q_rows:
             draft_probs = torch.stack([torch.zeros_like(q_rows[0]), *q_rows])  # [N, V]
         return DraftTree.chain(tokens[-1], drafts, draft_probs)
+
+    def _propose_sized_chain(self, context: DraftContext, budget: int) -> DraftTree:
+        """A greedy chain that stops itself (``length=auto``).
+
+        After each drafted token the chain's value (the chance that every token so far is
+        accepted: calibrated confidences multiplied) times the request's acceptance of a next
+        token is what one more token is expected to add; it costs one draft forward plus the
+        verification pass's growth by one node. Drafting goes on while that marginal yield per
+        target step beats the request's own rate (committed tokens per target step over its
+        drafted steps), the stopping rule that maximises a renewal process's long-run rate. A
+        length chosen before drafting (the adaptive budget) cannot see that this step's draft is
+        sure of six tokens or unsure of the first. Replayed on recorded answers of the
+        Qwen2.5-Coder pair it gave 1.08x the adaptive budget's speed (docs/2026-12-04-chain-
+        stop.md, ``bench/chain_policy.py``). The choice reads only the draft and the costs,
+        never the target's output, so verification stays lossless."""
+        tokens = context.tokens
+        root = tokens[-1]
+        if budget < 1:
+            return DraftTree.root_only(root)
+        c_fwd = self._forward_cost(context)
+        ratio = (context.costs or _PRIOR).ratio
+        # does a one-token draft pay at this request's acceptance? (a probe every 8 steps)
+        if (1.0 + self._alpha) / (ratio(2) + c_fwd) <= 1.0 and self._skipped < 8:
+            self._skipped += 1
+            return DraftTree.root_only(root)
+        self._skipped = 0
+        self._include_context(tokens)
+        cache = self.runner.cache
+        keep = min(common_prefix_len(cache.tokens, tokens), len(tokens) - 1)
+        cache.rollback(keep)
+        t0 = time.perf_counter()
+        logits = self.runner.forward(tokens[keep:], logits_to_keep=1)[-1]  # [V]
+        fed = len(tokens) - keep
+        self._account_catch_up(fed, time.perf_counter() - t0)
+        if fed <= 2:
+            self._time_forward(time.perf_counter() - t0)
+        calibration = self._calibration[True]
+        drafts: list[int] = []
+        confs: list[float] = []
+        value = 1.0
+        for n in range(1, budget + 1):
+            conf, token = torch.softmax(logits.float(), -1).max(-1)
+            drafts.append(int(token))
+            confs.append(float(conf))
+            value *= calibration.estimate(float(conf))
+            if n == budget or float(conf) < self.min_confidence:
+                break
+            marginal = value * self._alpha / (c_fwd + ratio(n + 2) - ratio(n + 1))
+            if marginal <= self._rate:
+                break
+            t1 = time.perf_counter()
+            logits = self.runner.forward([drafts[-1]])[-1]
+            self._time_forward(time.perf_counter() - t1)
+        tree = DraftTree.chain(root, drafts)
+        self._chain = _Chain(tree, confs, ratio(len(drafts) + 1) + c_fwd * len(drafts))
+        return tree
 
     def _include_context(self, tokens: list[int]) -> None:
         """A reduced-vocabulary head (``vocab=``) also scores the request's own tokens."""
@@ -470,6 +565,16 @@ class DraftModelSpeculator(Speculator):
         self._forward_seconds = seconds if old == 0.0 else 0.8 * old + 0.2 * seconds
 
     def observe(self, feedback: Feedback) -> None:
+        chain, self._chain = self._chain, None
+        if chain is not None and feedback.tree is chain.tree:
+            accepted = feedback.acceptance.num_accepted
+            calibration = self._calibration[True]
+            for i, conf in enumerate(chain.confs[: accepted + 1]):  # the tokens verification tested
+                hit = i < accepted
+                calibration.update(conf, hit)
+                if i == 0:
+                    self._alpha = 0.8 * self._alpha + 0.2 * (1.0 if hit else 0.0)
+            self._rate = 0.9 * self._rate + 0.1 * (accepted + 1) / chain.cost
         drafted, self._drafted = self._drafted, None
         if drafted is None:
             return
@@ -671,6 +776,7 @@ def _build(target: LoadedModel, options: DraftOptions) -> DraftModelSpeculator:
             tree=shape,
             max_depth=options.k,
             cost_prior=min(1.0, n / layers),
+            length=options.length,
         )
     draft = _load_draft(spec, options, target)
     check_same_vocabulary(target, draft)
@@ -694,6 +800,7 @@ def _build(target: LoadedModel, options: DraftOptions) -> DraftModelSpeculator:
         # a forward's cost in target steps, before one is timed: memory-bound decoding reads
         # every weight once, so the parameter ratio (0.32 for Qwen2.5-Coder 0.5B/1.5B)
         cost_prior=min(1.0, draft_params / max(1, target_params)),
+        length=options.length,
     )
     speculator.loaded_draft = draft  # keeps the shared weights alive (_LOADED)
     return speculator
