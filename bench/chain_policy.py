@@ -18,7 +18,7 @@ prompt and the answer before the position; prices are the calibration's, not the
         --questions docs/bench-qwen-pair-cheap-draft/questions.jsonl --draft qwen2.5-coder-0.5b \
         --out docs/chain-policy/trace.jsonl
     python bench/chain_policy.py simulate --trace docs/chain-policy/trace.jsonl \
-        --cost ~/.cache/specdec/cost/<calibration>.json --draft-ratio 0.18
+        --cost docs/chain-policy/cost-epyc-fp32-2threads.json --draft-ratio 0.21
 """
 
 from __future__ import annotations
@@ -228,7 +228,7 @@ class Marginal(Chooser):
             values.append(values[-1] * self.cal.estimate(r.confidence[c + d - 1]))
             if d == top:
                 break
-            marginal = values[-1] * self.alpha / (fwd + verify(d + 2) - verify(d + 1))
+            marginal = values[-1] * self.alpha / max(1e-6, fwd + verify(d + 2) - verify(d + 1))
             if marginal <= self.scale * self.rate:
                 break
         n = len(values) - 1
@@ -300,32 +300,28 @@ def simulate(args: argparse.Namespace) -> None:
     ratios = monotone({n: s / secs[1] for n, s in secs.items()})
     prices = Prices(ratios, args.draft_ratio)
     traces = [json.loads(line) for line in open(args.trace)]
-    policies: dict[str, Callable[[Replay], Chooser]] = {
-        "oracle": lambda r: Oracle(r),
-        "adaptive K=5": lambda r: Adaptive(prices, 5),
-        "adaptive K=8": lambda r: Adaptive(prices, 8),
-        "adaptive K=12": lambda r: Adaptive(prices, 12),
-    }
-    for k in (3, 5, 8):
-        policies[f"fixed K={k}"] = lambda r, k=k: Fixed(k)
-    for t in (0.3, 0.5, 0.7):
-        policies[f"fixed K=12 conf>={t}"] = lambda r, t=t: Fixed(12, t)
-        policies[f"adaptive K=12 conf>={t}"] = lambda r, t=t: Adaptive(prices, 12, t)
-    for name, extra in _extra_policies(prices).items():
-        policies[name] = extra
     from specdec.speculators.draft_model import _Calibration
 
-    shared = _Calibration()  # learnt across requests, as the speculator's is
-    for depth in (5, 8, 12):
-        policies[f"priced depth {depth}"] = lambda r, d=depth: Priced(prices, shared, d)
-        policies[f"priced+look depth {depth}"] = lambda r, d=depth: Priced(prices, shared, d, True)
-    for scale in (0.8, 1.0, 1.2, 1.5):
-        policies[f"marginal x{scale}"] = lambda r, sc=scale: Marginal(prices, shared, 12, sc)
-    for depth in (5, 8, 16):
-        policies[f"marginal depth {depth}"] = lambda r, d=depth: Marginal(prices, shared, d)
+    shared = _Calibration()  # learnt across requests, as the speculator's is; fresh per policy
+    policies: dict[str, Callable[[Replay], Chooser]] = {
+        "oracle (drafts exactly what is accepted)": lambda r: Oracle(r),
+        "length=budget, K=5 (the previous default)": lambda r: Adaptive(prices, 5),
+        "length=budget, K=16": lambda r: Adaptive(prices, 16),
+        "fixed K=5": lambda r: Fixed(5),
+        "fixed K=16, stop below conf 0.5": lambda r: Fixed(16, 0.5),
+        "fixed K=16, stop below conf 0.7": lambda r: Fixed(16, 0.7),
+        "tree=auto's rule, width 1, depth 16": lambda r: Priced(prices, shared, 16),
+        "length=auto, k=8": lambda r: Marginal(prices, shared, 8),
+        "length=auto (k=16)": lambda r: Marginal(prices, shared, 16),
+    }
+    for scale in (0.8, 1.2, 1.5):
+        policies[f"length=auto, rate x{scale}"] = lambda r, sc=scale: Marginal(
+            prices, shared, 16, sc
+        )
     groups = sorted({t["group"] for t in traces})
     rows = []
     for name, make in policies.items():
+        shared.__dict__.update(_Calibration().__dict__)
         per_group: dict[str, list[float]] = {g: [] for g in groups}
         taus = []
         for t in traces:
@@ -342,10 +338,6 @@ def simulate(args: argparse.Namespace) -> None:
     for name, spec, code, tau, gm in rows:
         cells = " | ".join(f"{gm[g]:.2f}" for g in groups)
         print(f"| {name} | {spec:.2f} | {code:.2f} | {tau:.2f} | {cells} |")
-
-
-def _extra_policies(prices: Prices) -> dict[str, Callable[[Replay], Chooser]]:
-    return {}
 
 
 def _gmean(values: Sequence[float]) -> float:
@@ -366,7 +358,7 @@ def main() -> None:
     s = sub.add_parser("simulate")
     s.add_argument("--trace", required=True)
     s.add_argument("--cost", required=True)
-    s.add_argument("--draft-ratio", type=float, default=0.18)
+    s.add_argument("--draft-ratio", type=float, default=0.21)
     s.add_argument("--cap", type=int, default=16)
     args = p.parse_args()
     trace(args) if args.cmd == "trace" else simulate(args)

@@ -367,7 +367,8 @@ class DraftModelSpeculator(Speculator):
             value *= calibration.estimate(float(conf))
             if n == budget or float(conf) < self.min_confidence:
                 break
-            marginal = value * self._alpha / (c_fwd + ratio(n + 2) - ratio(n + 1))
+            step = c_fwd + ratio(n + 2) - ratio(n + 1)  # a flat curve and a free draft: ~0
+            marginal = value * self._alpha / max(step, 1e-6)
             if marginal <= self._rate:
                 break
             t1 = time.perf_counter()
