@@ -254,7 +254,7 @@ def test_a_draft_directory_is_vllms_draft_model(tiny_model_dir, tiny_draft_dir, 
         "num_speculative_tokens": 3,
     }
     not_carried = [line.split("=", 1)[0] for line in doc["not_carried"]]
-    assert not_carried == ["min_confidence", "dtype", "vocab", "tree"]
+    assert not_carried == ["min_confidence", "dtype", "vocab", "length", "tree"]
     assert "not a Hugging Face model directory" in refused(
         f"draft:model={tmp_path / 'missing'}", "--model", str(tiny_model_dir)
     )

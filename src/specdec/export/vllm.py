@@ -288,6 +288,8 @@ def _draft(options: Any, target: str, local: LocalTarget, out: Path | None) -> _
     reasons = {
         "min_confidence": "vLLM's draft model always drafts num_speculative_tokens tokens; it "
         "has no early stop on draft confidence",
+        "length": "vLLM's draft model drafts num_speculative_tokens every step; our chain that "
+        "stops itself token by token (length=auto) and the adaptive budget have no counterpart",
         "dtype": "vLLM runs the draft in the serving dtype (its --dtype), not one of its own",
         "tree": "vLLM's draft model drafts a chain of num_speculative_tokens, no token trees",
         "vocab": "vLLM's draft model scores its whole vocabulary (no reduced draft head)",
