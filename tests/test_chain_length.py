@@ -115,3 +115,17 @@ def test_chain_runs_long_where_the_draft_is_sure_and_short_where_it_is_not(pair6
     # drafts one token and stops, then stops drafting except for a probe every 8 steps
     assert max(other_lengths) <= 2, other_lengths
     assert other_lengths.count(0) > len(other_lengths) / 2, other_lengths
+
+
+def test_adaptive_false_drafts_k_every_step(pair64):
+    """``adaptive=False`` is documented as "always drafts K": the chain does not stop itself."""
+    target, draft = pair64
+    spec = DraftModelSpeculator(ModelRunner(draft.model))
+    lengths = _lengths(spec)
+    engine = SpeculativeEngine(
+        HFTarget(target), target.tokenizer, spec, loaded=target, num_draft_tokens=4, adaptive=False
+    )
+    engine.generate(PROMPTS[0], max_new_tokens=30)
+    # the random draft is always rejected, so each step commits one token; at the end only
+    # the request's remaining tokens cap the draft (min(K, remaining - 1))
+    assert lengths == [4] * (len(lengths) - 3) + [3, 2, 1], lengths

@@ -408,11 +408,11 @@ class SpeculativeEngine:
     def _budget_policy(self, config: GenerationConfig) -> AdaptiveBudget | FixedBudget | NodeBudget:
         if self.arms is not None or self.speculator.drafts_trees:
             return NodeBudget()  # the arm controller, or a tree speculator, sizes the draft
+        if not self.adaptive:  # always K (DraftContext.fixed_length: no early stop either)
+            return FixedBudget(self.num_draft_tokens)
         cap = self.speculator.chain_cap(config.sampling)
         if cap is not None:  # the speculator stops its chain itself, up to cap tokens
             return FixedBudget(cap)
-        if not self.adaptive:
-            return FixedBudget(self.num_draft_tokens)
         # Sampled output depends on the drafts, so its budget must not depend on timing.
         costs = self.cost_model if config.sampling.greedy else self._cost_prior
         return AdaptiveBudget(self.num_draft_tokens, costs)
@@ -527,6 +527,7 @@ class SpeculativeEngine:
             features if reads else None,
             req.costs,
             req.constraint,
+            fixed_length=not self.adaptive,
         )
         if req.arms is not None:
             return req.arms.draft(context, budget)

@@ -34,7 +34,9 @@ class DraftContext:
     speculator's ``feature_layers`` concatenated) at the positions that produced the tokens
     committed last; the last row produced the root. ``costs`` prices verification for tree
     speculators that size their own trees: the engine's measured cost model for greedy requests,
-    its frozen prior for sampled ones (whose output must not depend on timing). ``constraint``
+    its frozen prior for sampled ones (whose output must not depend on timing); ``fixed_length``
+    says the engine wants exactly ``budget`` tokens (``adaptive=False``), so a chain speculator
+    that would stop itself (:meth:`Speculator.chain_cap`) must not. ``constraint``
     is the request's grammar constraint, if any: the engine prunes drafts it forbids and drafts
     the tokens it forces, so a speculator may ignore it (or consult it to draft better)."""
 
@@ -45,6 +47,7 @@ class DraftContext:
     features: torch.Tensor | None = None  # [M, H]
     costs: CostModel | None = None
     constraint: GrammarConstraint | None = None
+    fixed_length: bool = False  # the engine drafts exactly the budget (adaptive=False)
 
     def tree_cost(self, nodes: int) -> float:
         """Verification cost of a tree of ``nodes`` nodes (root included) in plain steps.

@@ -286,7 +286,7 @@ class DraftModelSpeculator(Speculator):
     def propose(self, context: DraftContext, budget: int) -> DraftTree:
         if self.tree is not None:
             return self._propose_tree(context, budget)
-        if self.chain_cap(context.sampling) is not None:
+        if not context.fixed_length and self.chain_cap(context.sampling) is not None:
             return self._propose_sized_chain(context, budget)
         tokens = context.tokens
         if budget < 1:
