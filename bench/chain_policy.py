@@ -189,33 +189,46 @@ class Oracle(Chooser):
 class Adaptive(Chooser):
     """specdec's AdaptiveBudget (the engine's chain default), with frozen prices."""
 
-    def __init__(self, prices: Prices, k: int, threshold: float = 0.0) -> None:
+    def __init__(self, prices: Prices, k: int) -> None:
         from specdec.control.budget import AdaptiveBudget, CostModel
 
         ratios = {n: prices.verify(n) for n in range(1, k + 2)}
         costs = CostModel(chain_ratios=ratios, frozen=True, draft_seconds_per_token=prices.draft)
         self.budget = AdaptiveBudget(k, costs)
-        self.threshold = threshold
 
     def length(self, c: int, room: int) -> int:
         return self.budget.choose(room + 1, 10**6)
-
-    def go_on(self, c: int, made: int, confidence: float) -> bool:
-        return confidence >= self.threshold
 
     def observe(self, c: int, drafted: int, accepted: int) -> None:
         self.budget.observe(drafted, accepted)
 
 
-class Marginal(Chooser):
-    """One more forward while the token it adds is worth more per second than the request's
-    long-run rate (a moving average of committed tokens per second over its steps)."""
+class Calibrated(Chooser):
+    """Learns as the draft model does: its confidence calibration (shared across requests)
+    and the request's acceptance of a first token, from the tokens verification tested."""
+
+    def __init__(self, prices: Prices, calibration: object, depth: int) -> None:
+        self.prices, self.cal, self.depth = prices, calibration, depth
+        self.alpha = 0.7
+        self._confs: list[float] = []
+
+    def observe(self, c: int, drafted: int, accepted: int) -> None:
+        for i in range(min(drafted, accepted + 1)):
+            hit = i < accepted
+            self.cal.update(self._confs[i], hit)
+            if i == 0:
+                self.alpha = 0.8 * self.alpha + 0.2 * (1.0 if hit else 0.0)
+
+
+class Marginal(Calibrated):
+    """``length=auto``: one more forward while the token it adds is worth more per target step
+    than the request's long-run rate (a moving average of committed tokens per target step)."""
 
     def __init__(
         self, prices: Prices, calibration: object, depth: int = 12, scale: float = 1.0
     ) -> None:
-        self.prices, self.cal, self.depth, self.scale = prices, calibration, depth, scale
-        self.alpha = 0.7
+        super().__init__(prices, calibration, depth)
+        self.scale = scale
         self.rate = 1.0 / prices.verify(1)
 
     def draft(self, r: Replay, c: int, room: int) -> tuple[int, int]:
@@ -237,26 +250,15 @@ class Marginal(Chooser):
         return n, n
 
     def observe(self, c: int, drafted: int, accepted: int) -> None:
-        for i in range(min(drafted, accepted + 1)):
-            hit = i < accepted
-            self.cal.update(self._confs[i], hit)
-            if i == 0:
-                self.alpha = 0.8 * self.alpha + 0.2 * (1.0 if hit else 0.0)
+        super().observe(c, drafted, accepted)
         if drafted:
             self.rate = 0.9 * self.rate + 0.1 * (accepted + 1) / self._cost
 
 
-class Priced(Chooser):
+class Priced(Calibrated):
     """The draft model's tree rule with width 1: one more forward while the token it adds
     (worth the chain's value so far times the request's acceptance) raises expected tokens per
     second, values from the draft's calibrated confidence; then the prefix that pays best."""
-
-    def __init__(
-        self, prices: Prices, calibration: object, depth: int = 8, lookahead: bool = False
-    ) -> None:
-        self.prices, self.cal, self.depth = prices, calibration, depth
-        self.alpha = 0.7
-        self.lookahead = lookahead
 
     def draft(self, r: Replay, c: int, room: int) -> tuple[int, int]:
         from specdec.speculators.draft_model import _best_prefix
@@ -271,25 +273,15 @@ class Priced(Chooser):
                 break
             gain = sum(values[1:])
             now = (1.0 + gain) / (verify(len(values)) + fwd * forwards)
-            nxt, extra, p = 0.0, 0.0, values[-1]
-            for j in range(1, (min(self.depth, room) - d if self.lookahead else 1) + 1):
-                p *= self.alpha
-                extra += p
-                rate = (1.0 + gain + extra) / (verify(len(values) + j) + fwd * (forwards + j))
-                nxt = max(nxt, rate)
+            nxt = (1.0 + gain + values[-1] * self.alpha) / (
+                verify(len(values) + 1) + fwd * (forwards + 1)
+            )
             if nxt <= now:
                 break
             forwards += 1
         keep = _best_prefix(values, lambda n: verify(n) + fwd * forwards)
         self._confs = [r.confidence[c + i] for i in range(len(keep) - 1)]
         return len(keep) - 1, forwards
-
-    def observe(self, c: int, drafted: int, accepted: int) -> None:
-        for i in range(min(drafted, accepted + 1)):
-            hit = i < accepted
-            self.cal.update(self._confs[i], hit)
-            if i == 0:
-                self.alpha = 0.8 * self.alpha + 0.2 * (1.0 if hit else 0.0)
 
 
 def simulate(args: argparse.Namespace) -> None:

@@ -291,14 +291,7 @@ class DraftModelSpeculator(Speculator):
         tokens = context.tokens
         if budget < 1:
             return DraftTree.root_only(tokens[-1])
-        self._include_context(tokens)
-        cache = self.runner.cache
-        # Reuse the cached prefix; at least the last committed token is fed to get its logits.
-        keep = min(common_prefix_len(cache.tokens, tokens), len(tokens) - 1)
-        cache.rollback(keep)
-        t0 = time.perf_counter()
-        logits = self.runner.forward(tokens[keep:], logits_to_keep=1)[-1]  # [V]
-        self._account_catch_up(len(tokens) - keep, time.perf_counter() - t0)
+        logits = self._catch_up_forward(tokens)[-1]  # [V]
         greedy = context.sampling.greedy
         drafts: list[int] = []
         q_rows: list[torch.Tensor] = []
@@ -341,31 +334,20 @@ class DraftModelSpeculator(Speculator):
             return DraftTree.root_only(root)
         c_fwd = self._forward_cost(context)
         ratio = (context.costs or _PRIOR).ratio
-        # does a one-token draft pay at this request's acceptance? (a probe every 8 steps)
-        if (1.0 + self._alpha) / (ratio(2) + c_fwd) <= 1.0 and self._skipped < 8:
-            self._skipped += 1
+        if self._skip(ratio(2) + c_fwd):
             return DraftTree.root_only(root)
-        self._skipped = 0
-        self._include_context(tokens)
-        cache = self.runner.cache
-        keep = min(common_prefix_len(cache.tokens, tokens), len(tokens) - 1)
-        cache.rollback(keep)
-        t0 = time.perf_counter()
-        logits = self.runner.forward(tokens[keep:], logits_to_keep=1)[-1]  # [V]
-        fed = len(tokens) - keep
-        self._account_catch_up(fed, time.perf_counter() - t0)
-        if fed <= 2:
-            self._time_forward(time.perf_counter() - t0)
+        logits = self._catch_up_forward(tokens)[-1]  # [V]
         calibration = self._calibration[True]
         drafts: list[int] = []
         confs: list[float] = []
         value = 1.0
         for n in range(1, budget + 1):
-            conf, token = torch.softmax(logits.float(), -1).max(-1)
+            top, token = torch.softmax(logits.float(), -1).max(-1)
+            conf = float(top)
             drafts.append(int(token))
-            confs.append(float(conf))
-            value *= calibration.estimate(float(conf))
-            if n == budget or float(conf) < self.min_confidence:
+            confs.append(conf)
+            value *= calibration.estimate(conf)
+            if n == budget or conf < self.min_confidence:
                 break
             step = c_fwd + ratio(n + 2) - ratio(n + 1)  # a flat curve and a free draft: ~0
             marginal = value * self._alpha / max(step, 1e-6)
@@ -377,6 +359,34 @@ class DraftModelSpeculator(Speculator):
         tree = DraftTree.chain(root, drafts)
         self._chain = _Chain(tree, confs, ratio(len(drafts) + 1) + c_fwd * len(drafts))
         return tree
+
+    def _skip(self, one_token_cost: float) -> bool:
+        """Whether this step drafts nothing: a one-token draft (priced ``one_token_cost`` target
+        steps, verification and forward) does not pay at this request's acceptance; a probe
+        every 8 steps lets a low estimate recover."""
+        if (1.0 + self._alpha) / one_token_cost <= 1.0 and self._skipped < 8:
+            self._skipped += 1
+            return True
+        self._skipped = 0
+        return False
+
+    def _catch_up_forward(self, tokens: list[int]) -> torch.Tensor:
+        """The draft's logits after the committed ``tokens`` (``[1, V]``): its cache keeps the
+        common prefix, and at least the last committed token is fed. The part beyond one
+        token's forward counts as catch-up; a forward of at most two tokens times a draft
+        forward."""
+        self._include_context(tokens)
+        cache = self.runner.cache
+        keep = min(common_prefix_len(cache.tokens, tokens), len(tokens) - 1)
+        cache.rollback(keep)
+        t0 = time.perf_counter()
+        logits = self.runner.forward(tokens[keep:], logits_to_keep=1)[-1:]  # [1, V]
+        seconds = time.perf_counter() - t0
+        fed = len(tokens) - keep
+        self._account_catch_up(fed, seconds)
+        if fed <= 2:
+            self._time_forward(seconds)
+        return logits
 
     def _include_context(self, tokens: list[int]) -> None:
         """A reduced-vocabulary head (``vocab=``) also scores the request's own tokens."""
@@ -420,21 +430,10 @@ class DraftModelSpeculator(Speculator):
         def verify(n: int, chain: bool) -> float:  # T(n)/T(1), root included
             return ratio(n, tree=not chain)  # a chain verifies on the causal fast path
 
-        # Does a one-token draft pay at this request's acceptance? (a probe every 8 steps)
-        if (1.0 + self._alpha) / (verify(2, True) + c_fwd) <= 1.0 and self._skipped < 8:
-            self._skipped += 1
+        if self._skip(verify(2, True) + c_fwd):
             return DraftTree.root_only(root)
-        self._skipped = 0
-        self._include_context(tokens)
+        logits = self._catch_up_forward(tokens)  # [1, V]
         cache = self.runner.cache
-        keep = min(common_prefix_len(cache.tokens, tokens), len(tokens) - 1)
-        cache.rollback(keep)
-        t0 = time.perf_counter()
-        logits = self.runner.forward(tokens[keep:], logits_to_keep=1)[-1:]  # [1, V]
-        fed = len(tokens) - keep
-        self._account_catch_up(fed, time.perf_counter() - t0)
-        if fed <= 2:
-            self._time_forward(time.perf_counter() - t0)
         start = len(cache)  # == len(tokens): the root is the last committed slot
         calibration = self._calibration[greedy]
         toks, parents, depths = [root], [-1], [0]
