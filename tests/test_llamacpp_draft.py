@@ -1,0 +1,104 @@
+"""A draft run by llama.cpp from its GGUF file (``draft:...,dtype=gguf``).
+
+The target is the bundled SmolLM2-135M-Instruct in float64, so a k-token verification pass and
+k single-token passes agree to the last bit and greedy outputs compare for exact equality; the
+draft is the same model's Q4_1 GGUF run by llama.cpp (other numerics, other engine), which
+agrees with the target often but not always: both acceptance and rejection paths run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec import SpeculativeEngine
+from specdec.errors import ConfigError
+from specdec.speculators.spec import parse_spec
+from specdec.target import llamacpp, load_model
+from specdec.target.loading import default_gguf_path
+
+pytestmark = pytest.mark.slow
+
+needs_llama = pytest.mark.skipif(
+    not llamacpp.available(),
+    reason="llama-cpp-python is not installed (bash scripts/install.sh installs it)",
+)
+
+PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Repeat after me exactly: the quick brown fox jumps over the lazy dog.",
+    "What are three tips for staying healthy?",
+]
+
+
+@pytest.fixture(scope="module")
+def smol64(smol_dir):
+    return load_model(smol_dir, dtype="float64")
+
+
+def test_bad_specs_fail_before_anything_loads():
+    with pytest.raises(ConfigError, match="chains only"):
+        parse_spec("draft:model=x.gguf,dtype=gguf,tree=auto")
+    with pytest.raises(ConfigError, match="vocab="):
+        parse_spec("draft:model=x.gguf,dtype=gguf,vocab=1024")
+
+
+@needs_llama
+def test_greedy_output_equals_plain_decoding(smol64):
+    plain = SpeculativeEngine.from_pretrained(smol64, speculator="none")
+    spec = f"draft:model={default_gguf_path()},dtype=gguf,k=6"
+    engine = SpeculativeEngine.from_pretrained(smol64, speculator=spec)
+    accepted = 0
+    for prompt in PROMPTS:
+        expected = plain.generate(prompt, chat=True, max_new_tokens=32, speculate=False)
+        got = engine.generate(prompt, chat=True, max_new_tokens=32)
+        assert got.token_ids == expected.token_ids, prompt
+        accepted += got.stats.accepted_tokens
+    # the Q4_1 copy of the target agrees with it most of the time: the draft really drafted
+    assert accepted >= 24
+
+
+@needs_llama
+def test_runner_rolls_back_exactly_and_requests_have_their_own_cache():
+    model = llamacpp.LlamaModel(default_gguf_path())
+    runner = llamacpp.LlamaCppRunner(model, threads=1)
+    prefix = list(range(100, 160))
+    runner.forward(prefix)
+    first = runner.forward([5, 6, 7])
+    runner.forward([9, 9, 9, 9])
+    runner.cache.rollback(len(prefix))
+    assert runner.cache.tokens == prefix
+    # the same batches after a rollback: bit for bit the same logits
+    assert torch.equal(runner.forward([5, 6, 7]), first)
+    other = runner.sibling()
+    assert len(other.cache) == 0
+    other.forward(prefix)
+    assert torch.equal(other.forward([5, 6, 7]), first)
+    assert len(runner.cache) == len(prefix) + 3
+    with pytest.raises(ValueError, match="roll back"):
+        runner.cache.rollback(1000)
+    with pytest.raises(ConfigError, match="holds"):
+        runner.forward([1] * (runner.context_length + 1))
+    assert len(runner.cache) == len(prefix) + 3  # a refused forward leaves the cache alone
+
+
+@needs_llama
+def test_a_model_directory_or_another_vocabulary_is_refused(smol64, tiny_model_dir, tiny64):
+    with pytest.raises(ConfigError, match="not a GGUF file"):
+        SpeculativeEngine.from_pretrained(
+            smol64, speculator=f"draft:model={tiny_model_dir},dtype=gguf"
+        )
+    from specdec.errors import VocabularyMismatchError
+
+    with pytest.raises(VocabularyMismatchError):
+        SpeculativeEngine.from_pretrained(
+            tiny64, speculator=f"draft:model={default_gguf_path()},dtype=gguf"
+        )
+
+
+def test_missing_llama_cpp_names_the_install_step(monkeypatch, smol64):
+    monkeypatch.setattr(llamacpp, "available", lambda: False)
+    with pytest.raises(ConfigError, match="install.sh"):
+        SpeculativeEngine.from_pretrained(
+            smol64, speculator=f"draft:model={default_gguf_path()},dtype=gguf"
+        )
