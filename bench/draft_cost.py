@@ -8,7 +8,7 @@ can rank kernels differently from a whole forward (weight-only int8 on an AVX2 E
 than int4 on one hot projection, slower as a draft), which is why this times whole forwards.
 
     taskset -c 0,1 .venv/bin/python bench/draft_cost.py --model qwen2.5-coder-0.5b \\
-        --dtypes int4,int8 --vocabs 0,16384,32768 --threads 2 \\
+        --dtypes int4,int8,gguf --vocabs 0,16384,32768 --threads 2 \\
         --out docs/bench-qwen-pair-vocab/draft-cost-epyc.json
 """
 
@@ -29,7 +29,7 @@ from specdec.target import ModelRunner, load_model
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
-    ap.add_argument("--dtypes", default="int4,int8")
+    ap.add_argument("--dtypes", default="int4,int8", help="gguf: the file run by llama.cpp")
     ap.add_argument("--vocabs", default="0,16384,32768", help="0: the full head")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=300)
@@ -40,6 +40,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     runners: dict[str, ModelRunner] = {}
     for dtype in args.dtypes.split(","):
+        if dtype == "gguf":  # the model's GGUF file run by llama.cpp (draft:...,dtype=gguf)
+            from specdec.speculators.draft_model import draft_gguf_path
+            from specdec.target.llamacpp import LlamaCppRunner, LlamaModel
+
+            runner = LlamaCppRunner(LlamaModel(draft_gguf_path(args.model)), args.threads)
+            runners["gguf (llama.cpp)"] = runner  # type: ignore[assignment]
+            continue
         loaded = load_model(args.model, dtype=dtype)
         size = int(loaded.model.config.vocab_size)
         for vocab in (int(v) for v in args.vocabs.split(",")):

@@ -117,8 +117,11 @@ class LlamaModel:
     def __del__(self) -> None:
         ptr = getattr(self, "ptr", None)
         if ptr:
-            self._lib.llama_model_free(ptr)
             self.ptr = None
+            try:
+                self._lib.llama_model_free(ptr)
+            except Exception:  # noqa: BLE001 - interpreter shutdown: the library may be gone
+                pass
 
 
 def _silence(lib) -> None:  # noqa: ANN001
@@ -162,9 +165,12 @@ class LlamaCppRunner:
 
     def __del__(self) -> None:
         ctx = getattr(self, "ctx", None)
-        if ctx:
-            self._lib.llama_free(ctx)
+        if ctx:  # freed before its model: this runner holds the model alive
             self.ctx = None
+            try:
+                self._lib.llama_free(ctx)
+            except Exception:  # noqa: BLE001 - interpreter shutdown: the library may be gone
+                pass
 
     def sibling(self) -> LlamaCppRunner:
         """Another context (KV cache) over the same weights, for one more concurrent request."""
