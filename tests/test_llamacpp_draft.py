@@ -102,3 +102,19 @@ def test_missing_llama_cpp_names_the_install_step(monkeypatch, smol64):
         SpeculativeEngine.from_pretrained(
             smol64, speculator=f"draft:model={default_gguf_path()},dtype=gguf"
         )
+
+
+@needs_llama
+def test_past_the_drafts_context_the_request_goes_on_without_drafts(smol64):
+    """A llama.cpp draft holds 16,384 tokens; a longer request must not fail, only stop drafting
+    (shown with the context cut to 40 tokens)."""
+    plain = SpeculativeEngine.from_pretrained(smol64, speculator="none")
+    engine = SpeculativeEngine.from_pretrained(
+        smol64, speculator=f"draft:model={default_gguf_path()},dtype=gguf"
+    )
+    engine.speculator.runner.context_length = 40
+    prompt = PROMPTS[1]
+    expected = plain.generate(prompt, chat=True, max_new_tokens=24, speculate=False)
+    got = engine.generate(prompt, chat=True, max_new_tokens=24)
+    assert got.token_ids == expected.token_ids
+    assert got.stats.prompt_tokens > 40 and got.stats.drafted_tokens == 0

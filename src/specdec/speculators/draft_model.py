@@ -304,6 +304,10 @@ class DraftModelSpeculator(Speculator):
         return None
 
     def propose(self, context: DraftContext, budget: int) -> DraftTree:
+        room = self.runner.context_length - len(context.tokens) - 1
+        if room < 1:  # past the draft's context (a llama.cpp draft holds 16,384): no draft
+            return DraftTree.root_only(context.tokens[-1])
+        budget = min(budget, room)
         if self.tree is not None:
             return self._propose_tree(context, budget)
         if not context.fixed_length and self.chain_cap(context.sampling) is not None:
