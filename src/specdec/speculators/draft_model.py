@@ -268,7 +268,6 @@ class DraftModelSpeculator(Speculator):
         self.chain_depth = max_depth or DEFAULT_CHAIN_DEPTH
         self.length = length
         self.cost_prior = cost_prior
-        self._step_seconds = 0.0  # running average of a first forward over <= 2 tokens
         self._forward_seconds = 0.0  # running average of one tree-drafting forward
         self._calibration = {True: _Calibration(), False: _Calibration()}  # by greedy
         self._reset_request()
@@ -290,11 +289,7 @@ class DraftModelSpeculator(Speculator):
         the same model weights (nothing is copied), fresh per-request state; what is learnt
         across requests (timings, the acceptance calibration) stays shared."""
         clone = copy.copy(self)
-        clone.runner = (
-            self.runner.sibling()
-            if isinstance(self.runner, LlamaCppRunner)
-            else ModelRunner(self.runner.model)
-        )
+        clone.runner = self.runner.sibling()
         clone._reset_request()
         return clone
 
@@ -414,7 +409,6 @@ class DraftModelSpeculator(Speculator):
         t0 = time.perf_counter()
         logits = self.runner.forward(tokens[keep:], logits_to_keep=1)[-1:]  # [1, V]
         seconds = time.perf_counter() - t0
-        self._account_catch_up(seconds)
         self._catch_up = catch_up
         self._time_forward(seconds)
         return logits
@@ -631,12 +625,6 @@ class DraftModelSpeculator(Speculator):
                 break
             kept.append(drafted.slots[i] - drafted.start)
         cache.commit(drafted.start, kept)
-
-    def _account_catch_up(self, seconds: float) -> None:
-        """The first forward of a draft after its catch-up pass: feeding the root (and, after a
-        fully accepted step, the last draft token) is what every draft costs."""
-        d = 0.8 if self._step_seconds > 0 else 0.0
-        self._step_seconds = d * self._step_seconds + (1 - d) * seconds
 
     def catch_up_seconds(self) -> float:
         return self._catch_up

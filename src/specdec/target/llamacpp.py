@@ -79,12 +79,6 @@ class _Cache:
             self._runner._remove_from(length)
             del self.tokens[length:]
 
-    def commit(self, start: int, keep: Sequence[int]) -> None:
-        """A chain's accepted prefix: ``keep`` must be ``0..m`` (trees stay in torch)."""
-        if list(keep) != list(range(len(keep))):
-            raise ConfigError("the llama.cpp draft engine drafts chains only; use tree=chain")
-        self.rollback(start + len(keep))
-
 
 class LlamaModel:
     """One GGUF file loaded by llama.cpp; every request's :class:`LlamaCppRunner` shares it."""

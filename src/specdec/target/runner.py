@@ -70,6 +70,10 @@ class ModelRunner:
     def reset(self) -> None:
         self.cache.reset()
 
+    def sibling(self) -> ModelRunner:
+        """Another runner (its own KV cache) over the same weights, for one more request."""
+        return ModelRunner(self.model)
+
     @torch.inference_mode()
     def forward(
         self,
