@@ -116,3 +116,17 @@ def test_cuda_seeded_sampling_repeats(tiny_model_dir):
         for _ in range(2)
     ]
     assert runs[0].token_ids == runs[1].token_ids
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("spec", ["prompt-lookup", "draft:model=layers:2"])
+def test_cuda_batched_greedy_equals_solo(tiny_model_dir, spec):
+    """The batched path (one pass verifies every sequence's draft) on the GPU: each sequence
+    equals its solo greedy output (float64, so a k-token pass and k single ones agree)."""
+    loaded = load_model(tiny_model_dir, dtype="float64", device="cuda")
+    engine = SpeculativeEngine.from_pretrained(loaded, speculator=spec, num_draft_tokens=4)
+    prompts = [PROMPT, "To be, or not to be", PROMPT + " It is the east", "Once more unto"]
+    solo = [engine.generate(p, max_new_tokens=20, ignore_eos=True).token_ids for p in prompts]
+    batched = engine.generate_batch(prompts, max_new_tokens=20, ignore_eos=True, max_batch=3)
+    assert [r.token_ids for r in batched] == solo

@@ -505,3 +505,29 @@ def test_both_precisions_train(tiny, data_dir, tmp_path, precision):
     _, before = evaluate(untrained, feats, readout_for(untrained, cfg, data.records), cfg)
     result = train_eagle(tiny, data, tmp_path, cfg)
     assert result.simulated_tau > before + 0.5
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_training_with_the_target_on_cuda(tiny_model_dir, data_dir, tmp_path):
+    """`specdec train eagle --device cuda`: features come from the target on the GPU and are
+    cached on the CPU; the head learns, and the saved drafter serves a CPU target losslessly."""
+    from specdec.training.eagle import train_eagle
+
+    on_gpu = load_model(tiny_model_dir, device="cuda")
+    cfg = _train_config("eagle3", max_steps=80, eval_every=80)
+    data = load_data(data_dir, on_gpu)
+    feats = extract_sequence_features(on_gpu, data.records, cfg)
+    assert feats.tokens[0].device.type == "cpu"
+    untrained = build_head(on_gpu, cfg, data.records)
+    _, before = evaluate(untrained, feats, readout_for(untrained, cfg, data.records), cfg)
+    result = train_eagle(on_gpu, data, tmp_path, cfg)
+    assert result.simulated_tau > before + 0.5
+    cpu = load_model(tiny_model_dir)
+    engine = SpeculativeEngine.from_pretrained(
+        cpu, speculator=options_for("eagle", dir=str(tmp_path))
+    )
+    plain = engine.generate(PROMPTS[0], max_new_tokens=20, ignore_eos=True, speculate=False)
+    assert (
+        engine.generate(PROMPTS[0], max_new_tokens=20, ignore_eos=True).token_ids == plain.token_ids
+    )

@@ -11,6 +11,7 @@ from tqdm import tqdm
 from specdec.cli.common import (
     CategoriesOpt,
     DataOpt,
+    DeviceOpt,
     DtypeOpt,
     ExcludeCategoriesOpt,
     GgufOpt,
@@ -89,6 +90,7 @@ def eagle(
     model: ModelOpt = None,
     gguf: GgufOpt = None,
     dtype: DtypeOpt = "float32",
+    device: DeviceOpt = "cpu",
 ) -> None:
     """Train an EAGLE drafter for the target (frozen) on its own outputs; writes the
     speculators format vLLM loads. Multi-GPU: `accelerate launch -m specdec.cli.main train
@@ -113,7 +115,7 @@ def eagle(
             seed=seed,
             precision=precision,
         )
-        loaded = load_target(model, gguf, dtype, threads)
+        loaded = load_target(model, gguf, dtype, threads, device=device)
         dataset = select_categories(load_data(data, loaded), categories, exclude_categories)
         result = train_eagle(
             loaded,

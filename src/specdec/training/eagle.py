@@ -173,6 +173,7 @@ def extract_sequence_features(
     layers = aux_layers(config, n_layers)
     salt = f"eagle:{layers}:{config.topk_labels}:{config.context}"
     model = loaded.model
+    device = loaded.device  # the target's device (a GPU extracts in seconds); cached on the CPU
 
     def one(r: Record) -> dict[str, torch.Tensor] | None:
         start = max(0, r.prompt_len - config.context)
@@ -181,17 +182,17 @@ def extract_sequence_features(
         if len(toks) - first < 3:
             return None
         keep = len(toks) - first  # logits only where labels are read
-        res = model(input_ids=toks[None], output_hidden_states=True, logits_to_keep=keep)
+        res = model(input_ids=toks[None].to(device), output_hidden_states=True, logits_to_keep=keep)
         states = res.hidden_states
         logp = torch.log_softmax(res.logits[0].float(), -1)  # [keep, V]
         top = logp.topk(config.topk_labels, dim=-1)
         top_ids = torch.zeros(len(toks), config.topk_labels, dtype=torch.long)
         top_logp = torch.full((len(toks), config.topk_labels), -30.0)
-        top_ids[first:], top_logp[first:] = top.indices, top.values
+        top_ids[first:], top_logp[first:] = top.indices.cpu(), top.values.cpu()
         return {
             "tokens": toks,
-            "aux": torch.cat([states[i][0] for i in layers], -1).to(torch.float16),
-            "final": states[-1][0].to(torch.float16),
+            "aux": torch.cat([states[i][0] for i in layers], -1).to(torch.float16).cpu(),
+            "final": states[-1][0].to(torch.float16).cpu(),
             "top_ids": top_ids,
             "top_logp": top_logp.to(torch.float16),
             "lengths": torch.tensor([len(toks)]),
@@ -420,13 +421,14 @@ def build_head(
         speculative_tokens=config.speculative_tokens,
         fc_bias=config.variant == "eagle1",
     )
-    emb = cast(torch.Tensor, loaded.model.get_input_embeddings().weight).detach()
-    lm_head = dense_weight(loaded.model.get_output_embeddings())
+    # built on the CPU from copies whatever the target's device; the trainer moves it
+    emb = cast(torch.Tensor, loaded.model.get_input_embeddings().weight).detach().cpu()
+    lm_head = dense_weight(loaded.model.get_output_embeddings()).cpu()
     head = EagleHead(ec, emb, lm_head)
     if reduced:
         head.set_vocabulary(draft_vocabulary(train_recs, config.draft_vocab, vocab).sort().values)
-    norm = getattr(getattr(loaded.model, "model", None), "norm", None)
-    head.init_from_target(getattr(norm, "weight", None), lm_head)
+    norm = getattr(getattr(getattr(loaded.model, "model", None), "norm", None), "weight", None)
+    head.init_from_target(None if norm is None else norm.detach().cpu(), lm_head)
     return head
 
 
