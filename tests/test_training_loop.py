@@ -244,3 +244,33 @@ def test_the_step_helper_sets_the_rate_and_clips():
     optimizer_step(opt, (w * w).sum() * 0.5, lr=0.5, clip=1.0)  # gradient (3, 4), norm 5
     assert opt.param_groups[0]["lr"] == 0.5
     torch.testing.assert_close(w.detach(), torch.tensor([3.0 - 0.3, 4.0 - 0.4]))
+
+
+def test_a_diverged_run_stops_at_once_with_a_clear_error(tmp_path):
+    """A NaN loss would stay NaN for the rest of the schedule (a GPU run at a too-high learning
+    rate trained 2,000 steps of NaN before it said so): the loop stops at the step it appears,
+    naming the step, the learning rate and what to change."""
+    from specdec.errors import TrainingDivergedError
+    from specdec.training.checkpoint import CheckpointStore
+    from specdec.training.loop import LoopSettings, StepOutput, TrainTask, train_loop
+
+    class Task(TrainTask):
+        def __init__(self) -> None:
+            self.module = torch.nn.Linear(2, 1)
+            self.calls = 0
+
+        def loss(self, batch: list[int]) -> StepOutput:
+            self.calls += 1
+            scale = math.nan if self.calls == 3 else 1.0
+            return StepOutput(self.module(torch.ones(1, 2)).sum() * scale, {})
+
+        def evaluate(self, step: int, last: dict[str, float]) -> Any:
+            raise AssertionError("no evaluation before the end")
+
+    task = Task()
+    opt = torch.optim.SGD(task.module.parameters(), lr=0.1)
+    settings = LoopSettings(total_steps=50, lr=0.1, eval_every=100)
+    with pytest.raises(TrainingDivergedError, match=r"became nan at step 3 .*lower --lr"):
+        train_loop(task, opt, ShuffledSampler(4, 2, seed=0), settings,
+                   CheckpointStore(tmp_path, {"run": "t"}))  # fmt: skip
+    assert task.calls == 3

@@ -55,3 +55,7 @@ class DataError(SpecDecError):
 
 class CheckpointError(SpecDecError):
     """A trained speculator checkpoint is missing, corrupt, or does not fit the target."""
+
+
+class TrainingDivergedError(SpecDecError):
+    """A training loss became NaN or infinite: the run cannot recover on its own."""

@@ -11,6 +11,7 @@ the same order, and ends with the same weights, bit for bit, as one that was nev
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -20,7 +21,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from specdec.errors import ConfigError
+from specdec.errors import ConfigError, TrainingDivergedError
 from specdec.heads.optim import Schedule, optimizer_step
 from specdec.training.checkpoint import CheckpointStore, LoopState
 from specdec.training.progress import NullBar, ProgressFactory
@@ -209,6 +210,14 @@ def train_loop(
             batch = sampler.next_batch()
             out = task.loss(batch)
             lr = settings.lr * settings.schedule.factor(state.step, total)
+            loss = float(out.loss.detach())
+            if not math.isfinite(loss):
+                # every later step would be NaN too: stop now, not after the whole schedule
+                raise TrainingDivergedError(
+                    f"the training loss became {loss} at step {state.step + 1} (learning rate "
+                    f"{lr:.2g}): the run diverged. Train again with a lower --lr (or with "
+                    "--precision fp32 if it ran in bf16)"
+                )
             optimizer_step(
                 optimizer, out.loss, lr, clip=settings.grad_clip, accelerator=accelerator
             )
