@@ -8,7 +8,8 @@
 # It installs what it needs itself, into .venv-gpu: a CUDA torch already on the machine is
 # reused (the venv sees system packages); only when none is importable does it install one
 # (needs network: set TORCH_INDEX, default the cu124 wheel index). The CPU torch pin of
-# constraints.txt is never applied here. EAGLE runs too when EAGLE_DIR names a trained head.
+# constraints.txt is never applied here. EAGLE runs too when EAGLE_DIR names a trained head;
+# GPU_CHECK_BENCH=0 stops after the equivalence (a short lease: bench/gpu_lease.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
@@ -19,7 +20,7 @@ while [ $# -gt 0 ]; do
     case "$1" in
         --device) DEVICE=$2; shift 2 ;;
         --device=*) DEVICE=${1#--device=}; shift ;;
-        -h|--help) sed -n 2,11p "$0"; exit 0 ;;
+        -h|--help) sed -n 2,12p "$0"; exit 0 ;;
         *) DEST=$1; shift ;;
     esac
 done
@@ -115,14 +116,19 @@ PYEOF
 # -- 3. a short benchmark -----------------------------------------------------------------
 METHODS="none,prompt-lookup,suffix,draft:model=layers:8,hf,hf-prompt-lookup"
 if [ -n "${EAGLE_DIR:-}" ] && [ -d "$EAGLE_DIR" ]; then METHODS="$METHODS,eagle:dir=$EAGLE_DIR"; fi
-SPECDEC=$(dirname "$VPY")/specdec
+if [ "${GPU_CHECK_BENCH:-1}" = 0 ]; then
+    echo "gpu_check: benchmark skipped (GPU_CHECK_BENCH=0); equivalence exit $EQ"
+    exit "$EQ"
+fi
+# the module, not the console script: specdec may be importable from PYTHONPATH, uninstalled
+SPECDEC=("$VPY" -m specdec.cli.main)
 DEVICE_ARG=()
-if "$SPECDEC" bench --help 2>/dev/null | grep -q -- '--device'; then
+if "${SPECDEC[@]}" bench --help 2>/dev/null | grep -q -- '--device'; then
     DEVICE_ARG=(--device "$DEVICE")
 else
     echo "note: this specdec bench has no --device option yet: the benchmark runs on its default"
 fi
-"$SPECDEC" bench --methods "$METHODS" --quick ${DEVICE_ARG[@]+"${DEVICE_ARG[@]}"} --out "$DEST/bench"
+"${SPECDEC[@]}" bench --methods "$METHODS" --quick ${DEVICE_ARG[@]+"${DEVICE_ARG[@]}"} --out "$DEST/bench"
 
 echo "gpu_check: done (equivalence exit $EQ); report in $DEST"
 exit "$EQ"
