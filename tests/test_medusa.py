@@ -478,3 +478,24 @@ def test_feature_cache_extracts_only_answers_it_does_not_hold(tiny, data_dir: Pa
     fresh = extract_features(tiny, records, 3)
     assert torch.equal(grown.hidden, fresh.hidden) and torch.equal(grown.labels, fresh.labels)
     assert grown.target_agreement == fresh.target_agreement
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_training_with_the_target_on_cuda(tiny_model_dir: Path, data_dir: Path, tmp_path):
+    """`specdec train medusa --device cuda`: features from the target on the GPU (cached on the
+    CPU), heads trained there, with the soft labels too; the saved heads serve a CPU target
+    losslessly."""
+    on_gpu = load_model(tiny_model_dir, device="cuda")
+    cfg = MedusaTrainConfig(num_heads=3, draft_vocab=96, max_steps=150, batch_positions=32,
+                            lr=1e-2, eval_every=150, held_out=0.0, soft_weight=0.5)  # fmt: skip
+    res = train_medusa(on_gpu, load_data(data_dir, on_gpu), tmp_path, cfg)
+    assert res.top1[0] > 0.3 and res.simulated_tau > 1.2
+    cpu = load_model(tiny_model_dir)
+    engine = SpeculativeEngine.from_pretrained(
+        cpu, speculator=options_for("medusa", dir=str(tmp_path))
+    )
+    plain = engine.generate(PROMPTS[0], max_new_tokens=20, ignore_eos=True, speculate=False)
+    assert (
+        engine.generate(PROMPTS[0], max_new_tokens=20, ignore_eos=True).token_ids == plain.token_ids
+    )

@@ -12,6 +12,7 @@ from specdec.cli.common import (
     BatchOpt,
     CategoriesOpt,
     DataOpt,
+    DeviceOpt,
     DtypeOpt,
     ExcludeCategoriesOpt,
     GgufOpt,
@@ -61,6 +62,7 @@ def medusa(
     model: ModelOpt = None,
     gguf: GgufOpt = None,
     dtype: DtypeOpt = "float32",
+    device: DeviceOpt = "cpu",
 ) -> None:
     """Train Medusa heads for the target (frozen) on its own outputs."""
 
@@ -82,7 +84,7 @@ def medusa(
             seed=seed,
             precision=precision,
         )
-        loaded = load_target(model, gguf, dtype, threads)
+        loaded = load_target(model, gguf, dtype, threads, device=device)
         dataset = select_categories(load_data(data, loaded), categories, exclude_categories)
         result = train_medusa(loaded, dataset, out, config, resume=resume, progress=tqdm)
     top = "  ".join(

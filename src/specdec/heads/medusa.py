@@ -181,16 +181,19 @@ class MedusaHeads(nn.Module):
     def rank_hits(
         self, hidden: torch.Tensor, labels: torch.Tensor, ranks: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``candidate_hits`` of these heads' top-``ranks`` candidates at ``hidden`` [B, H]."""
+        """``candidate_hits`` of these heads' top-``ranks`` candidates at ``hidden`` [B, H]
+        (inputs anywhere: moved to the heads' device; the hits come back on the CPU)."""
+        device = next(self.parameters()).device
         with torch.inference_mode():
-            top = torch.topk(self(hidden.float()), ranks, dim=-1).indices  # [B, K, R]
-            return candidate_hits(self.to_target_ids(top), labels)
+            top = torch.topk(self(hidden.to(device).float()), ranks, dim=-1).indices  # [B, K, R]
+            hits = candidate_hits(self.to_target_ids(top), labels.to(device))
+            return hits[0].cpu(), hits[1].cpu(), hits[2].cpu()
 
     # -- checkpoint I/O -----------------------------------------------------------------------
     def save(self, out_dir: str | os.PathLike[str], extra: dict[str, Any] | None = None) -> None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
         save_file(state, str(out / WEIGHTS))
         cfg = {"specdec_model_type": MODEL_TYPE, **asdict(self.config), **(extra or {})}
         (out / CONFIG).write_text(json.dumps(cfg, indent=2))

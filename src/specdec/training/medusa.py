@@ -117,16 +117,17 @@ def extract_features(
     """One target pass per sequence; cached per answer in ``cache_file``, so data that grew
     since the last training costs passes only for the new answers."""
     model = loaded.model
+    device = loaded.device  # the target's device; the features are cached on the CPU
 
     def one(r: Record) -> dict[str, torch.Tensor] | None:
         n = len(r.tokens)
         start = max(r.prompt_len - 1, 0)
         if n - start < 2:
             return None
-        ids = torch.tensor([r.tokens], dtype=torch.long)  # [1, T]
+        ids = torch.tensor([r.tokens], dtype=torch.long, device=device)  # [1, T]
         out = model(input_ids=ids, output_hidden_states=True, logits_to_keep=n - start)
-        h = out.hidden_states[-1][0, start : n - 1]  # [P, H]
-        pred = out.logits[0, : n - 1 - start].argmax(-1)  # [P]
+        h = out.hidden_states[-1][0, start : n - 1].cpu()  # [P, H]
+        pred = out.logits[0, : n - 1 - start].argmax(-1).cpu()  # [P]
         tokens = torch.tensor(r.tokens, dtype=torch.long)  # [T]
         pos = torch.arange(start, n - 1)  # [P]
         labels = torch.full((len(pos), num_heads), IGNORE, dtype=torch.long)  # [P, K]
@@ -226,7 +227,7 @@ def teacher_probs(
     returns [B, K, V_draft] (uniform where there is no label; the loss skips those rows)."""
     k_heads = labels.shape[1]
     rows = (idx[:, None] + torch.arange(1, k_heads + 1)).clamp_max(len(hidden) - 1)  # [B, K]
-    logits = hidden[rows].float() @ teacher.T  # [B, K, V_draft]
+    logits = hidden[rows].to(teacher.device).float() @ teacher.T  # [B, K, V_draft]
     return torch.softmax(logits, dim=-1)
 
 
@@ -245,12 +246,15 @@ class _MedusaTask(TrainTask):
         self.train, self.held, self.teacher = train, held, teacher
         self.soft_weight = config.soft_weight
         self.precision = config.precision
-        self.weights = torch.tensor([config.head_decay**k for k in range(config.num_heads)])
+        self.device = next(heads.parameters()).device  # features stay on the CPU
+        self.weights = torch.tensor(
+            [config.head_decay**k for k in range(config.num_heads)], device=self.device
+        )
 
     def loss(self, batch: list[int]) -> StepOutput:
         idx = torch.tensor(batch)
-        h = self.train.hidden[idx].float()  # [B, H]
-        labels = self.train.labels[idx]  # [B, K]
+        h = self.train.hidden[idx].to(self.device).float()  # [B, H]
+        labels = self.train.labels[idx].to(self.device)  # [B, K]
         soft = None
         if self.teacher is not None:
             soft = teacher_probs(self.train.hidden, idx, labels, self.teacher)
@@ -323,13 +327,14 @@ def train_medusa(
         target=loaded.identity(),
     )
     heads = MedusaHeads(mconfig, token_map)
-    lm_head = dense_weight(loaded.model.get_output_embeddings()).detach().float()  # [V, H]
+    lm_head = dense_weight(loaded.model.get_output_embeddings()).detach().float().cpu()  # [V, H]
     heads.init_from_lm_head(lm_head)
     teacher = None  # [V_draft, H]: the target's readout over the draft vocabulary
-    if config.soft_weight > 0:
-        teacher = lm_head if token_map is None else lm_head[token_map]
     valid = train.labels != IGNORE
     coverage = float((heads.to_draft_ids(train.labels) != IGNORE)[valid].float().mean())
+    heads.to(loaded.device)  # the heads train where the target runs (a GPU when it is there)
+    if config.soft_weight > 0:
+        teacher = (lm_head if token_map is None else lm_head[token_map]).to(loaded.device)
     opt = torch.optim.AdamW(heads.parameters(), lr=config.lr, weight_decay=0.0)
     store = CheckpointStore(
         out, run_identity("medusa", loaded, data, config, held_out=held_out_records)
