@@ -43,6 +43,18 @@ from specdec.verify import (
 )
 
 
+def _target_for(loaded: LoadedModel) -> Target:
+    """The verifier: the torch model itself, or for ``dtype="gguf"`` llama.cpp running the GGUF
+    file the model was loaded from (:class:`specdec.target.llamacpp.LlamaCppTarget`)."""
+    from specdec.target.loading import GGUF_DTYPE
+
+    if loaded.dtype_name == GGUF_DTYPE:
+        from specdec.target.llamacpp import LlamaCppTarget
+
+        return LlamaCppTarget(loaded.source, threads=torch.get_num_threads())
+    return HFTarget(loaded)
+
+
 def _initial_costs(loaded: LoadedModel | None) -> CostModel:
     """The saved calibration's ratios as the prior when there is one, else the generic one."""
     calibration = load_cost_calibration(loaded) if loaded is not None else None
@@ -204,10 +216,11 @@ class SpeculativeEngine:
             "adaptive": adaptive,
             "acceptance_rule": TypicalAcceptanceRule() if typical_acceptance else None,
         }
+        target = _target_for(loaded)
         if isinstance(options, AutoOptions):
             arms = build_arm_controller(loaded, options, k)
-            return cls(HFTarget(loaded), loaded.tokenizer, arms=arms, **common)
-        return cls(HFTarget(loaded), loaded.tokenizer, build_speculator(loaded, options), **common)
+            return cls(target, loaded.tokenizer, arms=arms, **common)
+        return cls(target, loaded.tokenizer, build_speculator(loaded, options), **common)
 
     @property
     def batchable(self) -> bool:

@@ -156,7 +156,17 @@ def measure_verify_costs(
         raise ValueError("sizes must lie in 1..64")
     if repeats < 1:
         raise ValueError("repeats must be >= 1")
-    runner = ModelRunner(loaded.model)
+    from specdec.target.loading import GGUF_DTYPE
+
+    runner: Any
+    if loaded.dtype_name == GGUF_DTYPE:  # the verifier is llama.cpp: time its passes
+        from specdec.target.llamacpp import LlamaCppTarget
+
+        target = LlamaCppTarget(loaded.source, threads=torch.get_num_threads())
+        runner, verify = target.runner, target.verify
+    else:
+        runner = ModelRunner(loaded.model)
+        verify = runner.forward_tree
     vocab = runner.vocab_size
     prefix_len = max(1, min(prefix_len, runner.context_length - max(sizes) - 1))
     prefix = [(1000 + i) % vocab for i in range(prefix_len)]
@@ -173,7 +183,7 @@ def measure_verify_costs(
     plan = [(r, s) for r in range(repeats + 1) for s in shapes]  # repeat 0 warms up
     for r, shape in progress(plan) if progress else plan:
         t0 = time.perf_counter()
-        runner.forward_tree(probes[shape])
+        verify(probes[shape])
         elapsed = time.perf_counter() - t0
         runner.cache.rollback(prefix_len)
         if r > 0:

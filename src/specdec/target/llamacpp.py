@@ -1,4 +1,6 @@
-"""A draft model run by llama.cpp (through ``llama-cpp-python``) straight from its GGUF file.
+"""Models run by llama.cpp (through ``llama-cpp-python``) straight from their GGUF files: a
+draft (``draft:MODEL,dtype=gguf``) and, since issue 24, the target (``--dtype gguf``,
+:class:`LlamaCppTarget` at the end of this module).
 
 Why: on a CPU the draft's cost per token decides whether draft-model speculation pays, and
 llama.cpp's quantised dot products (int4/int5 weight blocks times int8 activation blocks, one
@@ -25,11 +27,13 @@ import importlib.util
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
 
 from specdec.errors import ConfigError, ModelNotFoundError
+from specdec.tree import DraftTree
 
 INSTALL_HINT = (
     "the llama.cpp draft engine needs llama-cpp-python: install the llamacpp extra (`bash "
@@ -176,6 +180,18 @@ class LlamaCppRunner:
     def _remove_from(self, position: int) -> None:
         self._lib.llama_memory_seq_rm(self._memory, 0, position, -1)
 
+    def _room_for(self, tokens: Sequence[int]) -> list[int]:
+        """``tokens`` as ints, refused when empty or past the context."""
+        ids = [int(t) for t in tokens]
+        if not ids:
+            raise ValueError("forward needs at least one token")
+        if len(self.cache) + len(ids) > self.context_length:
+            raise ConfigError(
+                f"the llama.cpp context holds {self.context_length} tokens; this request needs "
+                f"{len(self.cache) + len(ids)}"
+            )
+        return ids
+
     @torch.inference_mode()
     def forward(self, tokens: Sequence[int], logits_to_keep: int = 1) -> torch.Tensor:
         """Append ``tokens`` to the cache and return the last one's logits, ``[1, V]`` fp32.
@@ -183,14 +199,7 @@ class LlamaCppRunner:
         A drafting chain reads only the last token's logits (its catch-up and every drafted
         token), so that is all llama.cpp computes here."""
         del logits_to_keep  # always the last token: see above
-        tokens = [int(t) for t in tokens]
-        if not tokens:
-            raise ValueError("forward needs at least one token")
-        if len(self.cache) + len(tokens) > self.context_length:
-            raise ConfigError(
-                f"the llama.cpp draft holds {self.context_length} tokens; this request needs "
-                f"{len(self.cache) + len(tokens)}"
-            )
+        tokens = self._room_for(tokens)
         lib = self._lib
         for start in range(0, len(tokens), 512):
             part = tokens[start : start + 512]
@@ -203,3 +212,140 @@ class LlamaCppRunner:
         ptr = lib.llama_get_logits_ith(self.ctx, -1)
         logits = np.ctypeslib.as_array(ptr, shape=(self.vocab_size,))
         return torch.from_numpy(logits.copy())[None]
+
+    @torch.inference_mode()
+    def forward_all(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Append ``tokens`` and return every one's logits, ``[T, V]`` fp32 (verification)."""
+        tokens = self._room_for(tokens)
+        lib = self._lib
+        rows = []
+        for start in range(0, len(tokens), 512):
+            part = tokens[start : start + 512]
+            base = len(self.cache)
+            batch = lib.llama_batch_init(len(part), 0, 1)
+            try:
+                for i, tok in enumerate(part):
+                    batch.token[i], batch.pos[i] = tok, base + i
+                    batch.n_seq_id[i], batch.logits[i] = 1, 1
+                    batch.seq_id[i][0] = 0
+                batch.n_tokens = len(part)
+                status = lib.llama_decode(self.ctx, batch)
+                if status != 0:
+                    self._remove_from(base)
+                    raise RuntimeError(f"llama.cpp decode failed (status {status})")
+                self.cache.tokens.extend(part)
+                for i in range(len(part)):
+                    ptr = lib.llama_get_logits_ith(self.ctx, i)
+                    rows.append(np.ctypeslib.as_array(ptr, shape=(self.vocab_size,)).copy())
+            finally:
+                lib.llama_batch_free(batch)
+        return torch.from_numpy(np.stack(rows))
+
+
+_MODELS: dict[Path, LlamaModel] = {}
+_MODELS_LOCK = threading.Lock()
+
+
+def shared_model(gguf: str | Path) -> LlamaModel:
+    """The :class:`LlamaModel` for a GGUF file, loaded once per process."""
+    path = Path(gguf).resolve()
+    with _MODELS_LOCK:
+        if path not in _MODELS:
+            _MODELS[path] = LlamaModel(path)
+        return _MODELS[path]
+
+
+class LlamaCppTarget:
+    """The target verified by llama.cpp from its GGUF file (``--dtype gguf``).
+
+    Why: on a CPU, llama.cpp's kernels run the GGUF's own quantised blocks with no second
+    rounding and no Python between layers: the 1.5B Qwen decodes about 1.8x faster there than
+    with our best torch numerics on an AVX2 EPYC (docs/2026-12-04-int4-ort.md). Lossless means,
+    as everywhere, with respect to the numerics run: llama.cpp's logits for a k-token pass may
+    differ in the last bits from k one-token passes (llama.cpp picks other kernels for other
+    batch sizes), so a near-tie can decide differently in speculative and plain decoding.
+
+    A chain is verified in one pass. A tree is verified branch by branch (each node decoded
+    once, rolling back to the branch point): correct for any speculator, and priced as trees
+    by the cost model, which then keeps them small. No hidden states: feature speculators
+    (EAGLE, Medusa) need a torch target. The cache invariant is :class:`HFTarget`'s: between
+    steps the context holds every committed token but the last.
+    """
+
+    provides_features: ClassVar[bool] = False
+
+    def __init__(self, gguf: str | Path, threads: int | None = None) -> None:
+        self.runner = LlamaCppRunner(shared_model(gguf), threads)
+        self._start = 0
+        self._tokens: tuple[int, ...] = ()
+        self._cached: list[int] = []  # tree nodes after ``_start`` in the context, in order
+
+    @property
+    def context_length(self) -> int:
+        return self.runner.context_length
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def sibling(self) -> LlamaCppTarget:
+        """Another context over the same weights (one more concurrent request)."""
+        other = LlamaCppTarget.__new__(LlamaCppTarget)
+        other.runner = self.runner.sibling()
+        other._start, other._tokens, other._cached = 0, (), []
+        return other
+
+    def begin(self, prompt: Sequence[int]) -> None:
+        self.runner.reset()
+        if len(prompt) > 1:
+            self.runner.forward(prompt[:-1])
+
+    def verify(self, tree: DraftTree) -> torch.Tensor:
+        self._start = len(self.runner.cache)
+        self._tokens = tree.tokens
+        if tree.is_chain:
+            self._cached = list(range(len(tree)))
+            return self.runner.forward_all(tree.tokens)  # [N, V]
+        children: list[list[int]] = [[] for _ in tree.tokens]
+        for node, parent in enumerate(tree.parents[1:], start=1):
+            children[parent].append(node)
+        logits: list[torch.Tensor | None] = [None] * len(tree)
+        self._cached = []
+        stack = [[0]]
+        while stack:  # depth-first, one leaf's branch at a time
+            branch = stack.pop()
+            tip = branch[-1]
+            if children[tip]:
+                stack.extend(branch + [c] for c in reversed(children[tip]))
+                continue
+            keep = 0
+            while keep < min(len(branch), len(self._cached)) and branch[keep] == self._cached[keep]:
+                keep += 1
+            self.runner.cache.rollback(self._start + keep)
+            fresh = branch[keep:]
+            rows = self.runner.forward_all([tree.tokens[i] for i in fresh])
+            for i, node in enumerate(fresh):
+                logits[node] = rows[i]
+            self._cached = list(branch)
+        return torch.stack([row for row in logits if row is not None])  # [N, V]
+
+    def commit(self, path: Sequence[int]) -> None:
+        path = list(path)
+        if path == self._cached[: len(path)]:
+            self.runner.cache.rollback(self._start + len(path))
+            return
+        keep = 0
+        while keep < min(len(path), len(self._cached)) and path[keep] == self._cached[keep]:
+            keep += 1
+        self.runner.cache.rollback(self._start + keep)
+        self.runner.forward([self._tokens[i] for i in path[keep:]])
+
+    def enable_features(self, layers: Sequence[int] = (-1,)) -> None:
+        raise ConfigError(
+            "the llama.cpp target (--dtype gguf) has no hidden states for EAGLE or Medusa; "
+            "use a torch dtype (e.g. float32) for them"
+        )
+
+    @property
+    def features(self) -> torch.Tensor | None:
+        return None

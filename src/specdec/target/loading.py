@@ -7,6 +7,7 @@ take about a second.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -26,7 +27,12 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from specdec.errors import CorruptModelError, ModelNotFoundError, UnsupportedModelError
+from specdec.errors import (
+    ConfigError,
+    CorruptModelError,
+    ModelNotFoundError,
+    UnsupportedModelError,
+)
 from specdec.request import read_chat_template
 from specdec.target import attention
 from specdec.target.numerics import (
@@ -283,6 +289,8 @@ def load_model(
     """
     if model is not None and gguf is not None:
         raise ModelNotFoundError("pass either a model directory or a GGUF file, not both")
+    if dtype == GGUF_DTYPE:
+        return _load_for_llamacpp(model, gguf, cache_dir, device, chat_template)
     numerics = get_numerics(dtype)
     target_device = resolve_device(device)
     check_numerics_device(numerics, target_device)
@@ -316,4 +324,49 @@ def load_model(
         source=source,
         numerics=description,
         dtype_name=numerics.name,
+    )
+
+
+GGUF_DTYPE = "gguf"
+
+
+def _load_for_llamacpp(
+    model: str | os.PathLike[str] | None,
+    gguf: str | os.PathLike[str] | None,
+    cache_dir: Path | None,
+    device: str | torch.device,
+    chat_template: str | os.PathLike[str] | None,
+) -> LoadedModel:
+    """``dtype="gguf"``: the engine verifies with llama.cpp from the GGUF file itself
+    (:class:`specdec.target.llamacpp.LlamaCppTarget`). The torch model loaded beside it
+    (float32, stock linears) gives the tokenizer, the identity trained speculators and
+    calibrations are keyed by, and the weights speculators that read the target's own layers
+    draft from; it never verifies."""
+    from specdec.target import llamacpp
+    from specdec.target.packs import is_pack, pack_gguf
+
+    if str(device) not in ("cpu", "auto"):
+        raise ConfigError(
+            f"dtype gguf runs the target in llama.cpp on the CPU, not on {device}; use --device "
+            "cpu, or another --dtype on the GPU"
+        )
+    if not llamacpp.available():
+        raise ConfigError(
+            "dtype gguf runs the target in llama.cpp and needs llama-cpp-python: install the "
+            "llamacpp extra (`bash scripts/install.sh` builds it), or use another --dtype"
+        )
+    if is_pack(model) and not Path(str(model)).exists():
+        gguf, model = pack_gguf(str(model), cache_dir), None
+    if model is not None:
+        raise ConfigError(
+            f"dtype gguf runs a GGUF file in llama.cpp, and {str(model)!r} is a model directory; "
+            "pass --gguf FILE or a model pack alias, or use another --dtype"
+        )
+    shadow = load_model(
+        gguf=gguf, dtype="float32-stock", cache_dir=cache_dir, chat_template=chat_template
+    )
+    return dataclasses.replace(
+        shadow,
+        numerics="llama.cpp: the GGUF's own quantised blocks (llama-cpp-python), CPU",
+        dtype_name=GGUF_DTYPE,
     )

@@ -1,0 +1,134 @@
+"""The target verified by llama.cpp from its GGUF file (``--dtype gguf``).
+
+What the equality tests compare: speculative decoding verifies k tokens in one llama.cpp pass,
+plain decoding one token per pass, and llama.cpp may use other kernels for other batch sizes
+(for the Qwen2.5-Coder 1.5B Q4_K_M file an 8-token pass and eight one-token passes differ by up
+to 0.4 in a logit; docs/2026-12-04-llamacpp-target.md). So the tests first measure that
+disagreement for the model under test on this machine (:func:`pass_disagreement`). Where it is
+zero (the bundled Q4_1 model here: bitwise equal) greedy outputs must be identical; otherwise
+they may differ only where the plain run's top two tokens were closer than twice the measured
+disagreement, and any real verification error shows up as a difference at a clear margin.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec import SpeculativeEngine
+from specdec.errors import ConfigError
+from specdec.request import encode_prompt
+from specdec.target import llamacpp, load_model
+from specdec.target.loading import default_gguf_path
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not llamacpp.available(),
+        reason="llama-cpp-python is not installed (bash scripts/install.sh installs it)",
+    ),
+]
+
+PROMPTS = [
+    "Repeat after me exactly: the quick brown fox jumps over the lazy dog.",
+    "Write a Python function that returns the n-th Fibonacci number.",
+]
+
+
+@pytest.fixture(scope="module")
+def smol_gguf():
+    return load_model(dtype="gguf")
+
+
+def pass_disagreement(loaded) -> float:
+    """Largest logit difference between one 8-token llama.cpp pass and 8 one-token passes."""
+    from specdec.engine import _target_for
+
+    runner = _target_for(loaded).runner
+    runner.forward(list(range(100, 140)))
+    batch = runner.forward_all(list(range(200, 208)))
+    runner.cache.rollback(40)
+    single = [runner.forward_all([t])[0] for t in range(200, 208)]
+    return float((batch - torch.stack(single)).abs().max())
+
+
+@pytest.fixture(scope="module")
+def near_tie(smol_gguf) -> float:
+    return 2 * pass_disagreement(smol_gguf)
+
+
+def _same_or_near_tie(engine: SpeculativeEngine, prompt: str, near_tie: float, **kw) -> int:
+    """Generate plainly and speculatively; equal, or first differing at a near-tie. Returns
+    the drafted tokens accepted."""
+    plain = engine.generate(prompt, speculate=False, logprobs=True, top_logprobs=2, **kw)
+    ours = engine.generate(prompt, **kw)
+    if ours.token_ids != plain.token_ids:
+        pairs = zip(ours.token_ids, plain.token_ids, strict=False)
+        i = next(j for j, (a, b) in enumerate(pairs) if a != b)
+        assert plain.logprobs is not None
+        top = plain.logprobs[i].top
+        assert len(top) == 2 and top[0][1] - top[1][1] < near_tie, (prompt, i, top)
+    return ours.stats.accepted_tokens
+
+
+def test_the_target_runs_in_llama_cpp(smol_gguf):
+    assert smol_gguf.dtype_name == "gguf" and "llama.cpp" in smol_gguf.numerics
+    engine = SpeculativeEngine.from_pretrained(smol_gguf, speculator="prompt-lookup")
+    assert type(engine.target).__name__ == "LlamaCppTarget"
+    assert not engine.batchable
+
+
+@pytest.mark.parametrize("spec", ["prompt-lookup", "suffix", "lookahead", "draft"])
+def test_greedy_output_equals_plain_decoding(smol_gguf, near_tie, spec):
+    """Chains (prompt lookup, the draft) and trees (suffix, lookahead: verified branch by
+    branch). The draft is the target's own GGUF in llama.cpp at a fixed K, so it drafts every
+    step and is accepted."""
+    if spec == "draft":
+        spec = f"draft:model={default_gguf_path()},k=4"
+    engine = SpeculativeEngine.from_pretrained(smol_gguf, speculator=spec, adaptive=False)
+    accepted = sum(
+        _same_or_near_tie(engine, p, near_tie, chat=chat, max_new_tokens=32, ignore_eos=True)
+        for p in PROMPTS
+        for chat in (False, True)
+    )
+    assert accepted >= 4  # drafts were verified and accepted, not only the plain path
+
+
+def test_the_context_holds_the_committed_tokens(smol_gguf):
+    """The cache invariant on token ids: after a request the context holds the prompt and every
+    committed token but the last (the next step's root)."""
+    engine = SpeculativeEngine.from_pretrained(smol_gguf, speculator="lookahead", adaptive=False)
+    prompt_ids = encode_prompt(engine.tokenizer, PROMPTS[0])
+    out = engine.generate(PROMPTS[0], max_new_tokens=24, ignore_eos=True)
+    held = engine.target.runner.cache.tokens
+    assert held[: len(prompt_ids)] == list(prompt_ids)
+    assert held == list(prompt_ids) + out.token_ids[:-1]
+
+
+def test_seeded_sampling_repeats(smol_gguf):
+    engine = SpeculativeEngine.from_pretrained(smol_gguf, speculator="prompt-lookup")
+    a = engine.generate(PROMPTS[0], max_new_tokens=20, temperature=0.8, seed=5)
+    b = engine.generate(PROMPTS[0], max_new_tokens=20, temperature=0.8, seed=5)
+    assert a.token_ids == b.token_ids
+
+
+def test_bad_uses_are_clear_errors(smol_gguf, smol_dir):
+    with pytest.raises(ConfigError, match="model directory"):
+        load_model(smol_dir, dtype="gguf")
+    with pytest.raises(ConfigError, match="on the CPU"):
+        load_model(dtype="gguf", device="cuda:0")
+    with pytest.raises(ConfigError, match="hidden states"):
+        SpeculativeEngine.from_pretrained(smol_gguf, speculator="eagle")  # the shipped head
+    engine = SpeculativeEngine.from_pretrained(smol_gguf, speculator="none")
+    with pytest.raises(ConfigError, match="batched decoding"):
+        engine.generate_batch(PROMPTS, max_new_tokens=4)
+
+
+def test_cost_calibration_times_llama_cpp(smol_gguf):
+    """`specdec calibrate cost --dtype gguf` times llama.cpp's passes (the verifier), keyed
+    apart from the torch numerics' calibration."""
+    from specdec.control.calibration import measure_verify_costs
+
+    cal = measure_verify_costs(smol_gguf, sizes=(1, 2, 4), repeats=1, prefix_len=16)
+    assert cal.dtype == "gguf" and set(cal.chain) == {1, 2, 4} and set(cal.tree) == {1, 2, 4}
+    assert all(t > 0 for t in cal.chain.values())
