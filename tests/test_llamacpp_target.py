@@ -132,3 +132,32 @@ def test_cost_calibration_times_llama_cpp(smol_gguf):
     cal = measure_verify_costs(smol_gguf, sizes=(1, 2, 4), repeats=1, prefix_len=16)
     assert cal.dtype == "gguf" and set(cal.chain) == {1, 2, 4} and set(cal.tree) == {1, 2, 4}
     assert all(t > 0 for t in cal.chain.values())
+
+
+def test_serving_never_loads_the_torch_copy(smol_gguf):
+    """The float32 torch model beside llama.cpp loads only for what reads its weights: the
+    tokenizer, config, identity and weight bytes come from files, so serving through llama.cpp
+    holds the GGUF's bytes only. The identity (which keys trained speculators and calibrations)
+    equals the torch-loaded model's, read from the file in slices."""
+    loaded = load_model(dtype="gguf")
+    assert not loaded.materialised
+    for spec in (
+        "prompt-lookup",
+        "suffix",
+        "lookahead",
+        "auto",
+        "draft:" + str(default_gguf_path()),
+    ):
+        engine = SpeculativeEngine.from_pretrained(loaded, speculator=spec)
+        out = engine.generate(PROMPTS[0], max_new_tokens=8)
+        assert out.token_ids
+    assert not loaded.materialised, "a llama.cpp-served request loaded the torch copy"
+    torch_loaded = load_model(dtype="float32-stock")
+    assert loaded.identity() == torch_loaded.identity()
+    assert loaded.eos_token_ids == torch_loaded.eos_token_ids
+    assert loaded.parameter_count() == sum(p.numel() for p in torch_loaded.model.parameters())
+    assert loaded.weight_bytes() == default_gguf_path().stat().st_size
+    # what reads the target's own layers loads the copy on demand and works
+    engine = SpeculativeEngine.from_pretrained(loaded, speculator="draft:layers:8")
+    assert engine.generate(PROMPTS[0], max_new_tokens=8).token_ids
+    assert loaded.materialised

@@ -76,7 +76,7 @@ def calibrate_self(
             ) from None
         loaded = load_target(model, gguf, dtype, threads)
         chosen = pick_prompts(prompts, num_prompts, category, seed)
-        specs = list(candidate or default_candidates(int(loaded.model.config.num_hidden_layers)))
+        specs = list(candidate or default_candidates(int(loaded.config.num_hidden_layers)))
         specs += [f"adapter:{a.resolve()}" for a in adapter or []]
         kw = dict(max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens, progress=tqdm)
         rows = measure(loaded, specs, chosen, **kw)  # type: ignore[arg-type]
@@ -229,7 +229,7 @@ def calibrate_vocab(
         # only the tokenizer and the vocabulary size count: stock fp32 skips repacking the
         # weights (oneDNN's float32 default would repack all of them for nothing)
         loaded = load_target(model, gguf, "float32-stock", None)
-        vocab_size = int(loaded.model.config.vocab_size)
+        vocab_size = int(loaded.config.vocab_size)
         del loaded.model
         texts: itertools.chain[str] = itertools.chain(texts_from_files(files or []))
         if sharegpt > 0:

@@ -383,7 +383,7 @@ def build_arm_controller(
     """The controller over ``options``' arms, each built from its own options."""
     arms = [build_speculator(target, a) for a in options.arm_options()]
     names = {a.name for a in arms}
-    num_layers = int(target.model.config.num_hidden_layers)
+    num_layers = int(target.config.num_hidden_layers)
     # the speed floor: the online learner must beat the static heads it started from
     guards = {"osd": "medusa"} if {"osd", "medusa"} <= names else {}
     k = options.k or num_draft_tokens

@@ -95,7 +95,7 @@ class CostCalibration:
 
 
 def _device(loaded: LoadedModel) -> str:
-    return str(next(loaded.model.parameters()).device)
+    return str(loaded.device)
 
 
 def cost_calibration_path(loaded: LoadedModel) -> Path:

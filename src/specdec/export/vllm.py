@@ -436,7 +436,7 @@ def _eagle(options: Any, target: str, local: LocalTarget, out: Path | None) -> _
         raise CheckpointError(f"vLLM cannot serve the EAGLE drafter {source}: {problems[0]}")
     tree = EagleTree.parse(options.tree, head.config.speculative_tokens)
     n = min(tree.depth, _k(options))
-    architectures = list(getattr(loaded.model.config, "architectures", None) or [])
+    architectures = list(getattr(loaded.config, "architectures", None) or [])
     save_eagle(
         head,
         dest,

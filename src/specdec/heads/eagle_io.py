@@ -221,7 +221,7 @@ def load_eagle(path: str | os.PathLike[str], loaded: LoadedModel) -> EagleHead:
 def check_fits(config: EagleConfig, loaded: LoadedModel) -> None:
     """Refuse a drafter whose shapes, feature layers or recorded identity are another model's:
     run anyway, it would draft garbage (or crash deep in a forward pass)."""
-    tcfg = loaded.model.config
+    tcfg = loaded.config
     hidden, vocab = int(tcfg.hidden_size), int(tcfg.vocab_size)
     num_layers = int(tcfg.num_hidden_layers)
     hint = "it was made for another model; train one for this target with `specdec train eagle`"
@@ -354,7 +354,7 @@ def _from_speculators(
             "EAGLE-3 layer normalises the fused feature after taking it as the residual"
         )
     ids = raw.get("eagle_aux_hidden_state_layer_ids") or default_aux_layers(
-        int(loaded.model.config.num_hidden_layers)
+        int(loaded.config.num_hidden_layers)
     )
     return _eagle3_config(raw, layer, ids, state, where, _proposal_length(raw)), state
 
@@ -365,7 +365,7 @@ def _from_eagle_authors(
     state = _renamed(state, {"midlayer.": "layers.0."})  # EAGLE-3's name for its layer
     if "layers.0.hidden_norm.weight" in state or "lm_head.weight" in state:
         layer = _layer_dict(raw, where)
-        ids = default_aux_layers(int(loaded.model.config.num_hidden_layers))
+        ids = default_aux_layers(int(loaded.config.num_hidden_layers))
         return _eagle3_config(raw, layer, ids, state, where, 5), state
     if any(k.startswith("layers.0.") for k in state) and "fc.weight" in state:
         # the authors' loader (ea_model.py) takes fc's bias from the config, default true

@@ -692,21 +692,11 @@ def _check_vocabulary(target: LoadedModel, tokenizer: object, d_size: int, sourc
             f"target's ({target.source}, {len(t_vocab)} tokens) in {diff} entries; a draft must "
             "use the target's vocabulary"
         )
-    t_size = target.model.config.vocab_size
+    t_size = target.config.vocab_size
     if t_size != d_size:
         raise VocabularyMismatchError(
             f"the draft's output layer has {d_size} logits, the target's {t_size}"
         )
-
-
-def _weights(model: torch.nn.Module) -> int:
-    """Weights a forward reads: parameters plus prepacked linears' opaque weights (the fast
-    fp32 path keeps those outside ``parameters()``)."""
-    total = sum(p.numel() for p in model.parameters())
-    for m in model.modules():
-        if hasattr(m, "in_features") and not isinstance(getattr(m, "weight", None), torch.Tensor):
-            total += int(m.in_features) * int(m.out_features)
-    return total
 
 
 def default_draft_dtype(target: LoadedModel) -> str:
@@ -782,7 +772,7 @@ def _build(target: LoadedModel, options: DraftOptions) -> DraftModelSpeculator:
     """a smaller model of the same vocabulary drafts a chain (or a tree) over its own KV cache"""
     spec = options.model
     shape = TreeShape.parse(options.tree)
-    target_params = _weights(target.model)
+    target_params = target.parameter_count()
     if spec.startswith("layers:"):
         n = int(spec.split(":", 1)[1])
         model = early_exit_model(target.model, n)
@@ -810,7 +800,7 @@ def _build(target: LoadedModel, options: DraftOptions) -> DraftModelSpeculator:
         ids = draft_vocabulary(draft.tokenizer, vocab, vocab_size, keep)
         model = with_subset_head(draft.model, ids, draft.dtype_name)
     runner = ModelRunner(model)
-    draft_params = _weights(draft.model)
+    draft_params = draft.parameter_count()
     speculator = DraftModelSpeculator(
         runner,
         f"draft model {draft.source}",
@@ -875,7 +865,6 @@ def _gguf_by_default(options: DraftOptions, target: LoadedModel) -> bool:
 def _build_llamacpp(target: LoadedModel, options: DraftOptions) -> DraftModelSpeculator:
     from specdec.target.llamacpp import LlamaModel
     from specdec.target.loading import gguf_tokenizer
-    from specdec.target.lowbit import weight_bytes
 
     if target.device.type != "cpu":
         raise ConfigError(
@@ -896,7 +885,7 @@ def _build_llamacpp(target: LoadedModel, options: DraftOptions) -> DraftModelSpe
         max_depth=options.k,
         # memory-bound decoding reads every weight once: the file's bytes against the target's
         # (a prior only: the first timed forward replaces it)
-        cost_prior=min(1.0, gguf.stat().st_size / max(1, weight_bytes(target.model))),
+        cost_prior=min(1.0, gguf.stat().st_size / max(1, target.weight_bytes())),
         length=options.length,
     )
     speculator.loaded_draft = model  # type: ignore[assignment]  # keeps the weights alive

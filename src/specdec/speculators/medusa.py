@@ -171,7 +171,7 @@ def best_sized_topology(
 
 
 def check_heads_fit(heads: MedusaHeads, target: LoadedModel) -> None:
-    cfg = target.model.config
+    cfg = target.config
     if heads.config.hidden_size != cfg.hidden_size:
         raise CheckpointError(
             f"these Medusa heads read hidden states of size {heads.config.hidden_size}, the "

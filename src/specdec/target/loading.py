@@ -7,7 +7,6 @@ take about a second.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -66,13 +65,44 @@ class LoadedModel:
         return next(self.model.parameters()).device
 
     @property
+    def config(self) -> Any:
+        """The model's transformers config (shapes, layer count, vocabulary size)."""
+        return self.model.config
+
+    @property
+    def generation_config(self) -> Any:
+        return self.model.generation_config
+
+    def weight_bytes(self) -> int:
+        """Bytes of the linear layers' weights a decoding step reads (the cost models' prior)."""
+        from specdec.target.lowbit import weight_bytes
+
+        return weight_bytes(self.model)
+
+    def parameter_count(self) -> int:
+        """Weights a forward reads: parameters plus prepacked linears' opaque weights (the fast
+        float32 path keeps those outside ``parameters()``)."""
+        total = sum(p.numel() for p in self.model.parameters())
+        for m in self.model.modules():
+            opaque = not isinstance(getattr(m, "weight", None), torch.Tensor)
+            if hasattr(m, "in_features") and opaque:
+                total += int(m.in_features) * int(m.out_features)
+        return total
+
+    def _embedding_digest(self) -> str:
+        weight = self.model.get_input_embeddings().weight
+        assert isinstance(weight, torch.Tensor)
+        bits = weight.detach().to(torch.bfloat16).cpu().contiguous().view(torch.int16)
+        return hashlib.sha256(bits.numpy().tobytes()).hexdigest()
+
+    @property
     def eos_token_ids(self) -> frozenset[int]:
         """The tokenizer's EOS plus every EOS of the generation config (chat models often end
         turns with a token other than the tokenizer's EOS)."""
         ids: set[int] = set()
         if self.tokenizer.eos_token_id is not None:
             ids.add(int(self.tokenizer.eos_token_id))
-        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        eos = getattr(self.generation_config, "eos_token_id", None)
         if isinstance(eos, int):
             ids.add(eos)
         elif isinstance(eos, (list, tuple)):
@@ -84,14 +114,10 @@ class LoadedModel:
         model fails loudly: architecture, shapes, and a digest of the token embeddings (which
         differ between any two distinct checkpoints). The digest is taken after rounding to
         bfloat16, so the same model loaded with another ``--dtype`` keeps its identity."""
-        cfg = self.model.config
-        weight = self.model.get_input_embeddings().weight
-        assert isinstance(weight, torch.Tensor)
-        emb = weight.detach()
-        bits = emb.to(torch.bfloat16).cpu().contiguous().view(torch.int16)
-        digest = hashlib.sha256(bits.numpy().tobytes()).hexdigest()
+        cfg = self.config
+        digest = self._embedding_digest()
         return {
-            "architecture": (getattr(cfg, "architectures", None) or [type(self.model).__name__])[0],
+            "architecture": (getattr(cfg, "architectures", None) or [self._class_name()])[0],
             "model_type": getattr(cfg, "model_type", ""),
             "hidden_size": int(cfg.hidden_size),
             "num_hidden_layers": int(cfg.num_hidden_layers),
@@ -99,6 +125,9 @@ class LoadedModel:
             "embedding_sha256": digest[:32],
             "source": Path(self.source).name,
         }
+
+    def _class_name(self) -> str:
+        return type(self.model).__name__
 
 
 def identity_mismatch(expected: dict[str, Any], actual: dict[str, Any]) -> str | None:
@@ -330,6 +359,117 @@ def load_model(
 GGUF_DTYPE = "gguf"
 
 
+class LlamaCppLoadedModel(LoadedModel):
+    """A model loaded for ``dtype="gguf"``: llama.cpp verifies from the GGUF file, and the torch
+    model exists only if something asks for its weights.
+
+    Why lazily: the tokenizer, config, identity (which keys trained speculators and cost
+    calibrations) and the weight bytes all come from the converted directory's files without
+    loading a tensor, so a request served through llama.cpp holds the GGUF's bytes only (the
+    1.5B Qwen: 1.1 GB, not 1.1 GB plus a 6.2 GB float32 copy). The float32 copy (stock linears)
+    loads on first use of :attr:`model`: a speculator that drafts from the target's own layers
+    (``draft:layers:N``, ``self``), training, export.
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        tokenizer: PreTrainedTokenizerBase,
+        source: str,
+        loader: Any,
+    ) -> None:
+        from transformers import GenerationConfig
+
+        self.tokenizer = tokenizer
+        self.source = source
+        self.numerics = "llama.cpp: the GGUF's own quantised blocks (llama-cpp-python), CPU"
+        self.dtype_name = GGUF_DTYPE
+        self.directory = directory
+        self._loader = loader
+        self._model: PreTrainedModel | None = None
+        try:
+            self._config = AutoConfig.from_pretrained(str(directory))
+            self._generation_config = GenerationConfig.from_pretrained(str(directory))
+        except Exception as e:
+            raise CorruptModelError(f"cannot read the model files in {directory}: {e}") from e
+
+    def __repr__(self) -> str:
+        return f"LlamaCppLoadedModel(source={self.source!r}, materialised={self.materialised})"
+
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+    @property  # type: ignore[override]
+    def model(self) -> PreTrainedModel:
+        if self._model is None:
+            self._model = self._loader()
+        return self._model
+
+    @model.setter
+    def model(self, value: PreTrainedModel) -> None:
+        self._model = value
+
+    @model.deleter
+    def model(self) -> None:
+        self._model = None
+
+    @property
+    def materialised(self) -> bool:
+        """Whether the float32 torch copy has been loaded."""
+        return self._model is not None
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def config(self) -> Any:
+        return self._config
+
+    @property
+    def generation_config(self) -> Any:
+        return self._generation_config
+
+    def weight_bytes(self) -> int:
+        """What llama.cpp reads per token: the GGUF file's quantised blocks."""
+        return Path(self.source).stat().st_size
+
+    def _skeleton(self) -> PreTrainedModel:
+        """The model's modules on the meta device: names and shapes, no memory."""
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(self._config)
+
+    def _class_name(self) -> str:
+        return type(self._skeleton()).__name__
+
+    def parameter_count(self) -> int:
+        return sum(p.numel() for p in self._skeleton().parameters())
+
+    def _embedding_digest(self) -> str:
+        """:meth:`LoadedModel.identity`'s digest read from the safetensors file in slices of
+        rows (no full copy), equal to the torch model's (tested): the file holds the input
+        embedding itself, or, for tied embeddings, only the output layer it shares."""
+        from safetensors import safe_open
+
+        skeleton = self._skeleton()
+        embedding = skeleton.get_input_embeddings().weight
+        names = [
+            name for name, p in skeleton.named_parameters(remove_duplicate=False) if p is embedding
+        ]
+        h = hashlib.sha256()
+        with safe_open(str(self.directory / "model.safetensors"), "pt") as f:
+            name = next((n for n in names if n in set(f.keys())), None)
+            if name is None:
+                raise CorruptModelError(f"{self.directory} holds no embedding ({names})")
+            rows = f.get_slice(name)
+            total = int(rows.get_shape()[0])
+            for start in range(0, total, 8192):
+                part = rows[start : min(total, start + 8192)]
+                bits = part.to(torch.bfloat16).contiguous().view(torch.int16)
+                h.update(bits.numpy().tobytes())
+        return h.hexdigest()
+
+
 def _load_for_llamacpp(
     model: str | os.PathLike[str] | None,
     gguf: str | os.PathLike[str] | None,
@@ -338,10 +478,8 @@ def _load_for_llamacpp(
     chat_template: str | os.PathLike[str] | None,
 ) -> LoadedModel:
     """``dtype="gguf"``: the engine verifies with llama.cpp from the GGUF file itself
-    (:class:`specdec.target.llamacpp.LlamaCppTarget`). The torch model loaded beside it
-    (float32, stock linears) gives the tokenizer, the identity trained speculators and
-    calibrations are keyed by, and the weights speculators that read the target's own layers
-    draft from; it never verifies."""
+    (:class:`specdec.target.llamacpp.LlamaCppTarget`); the torch model beside it loads only
+    when asked for (:class:`LlamaCppLoadedModel`)."""
     from specdec.target import llamacpp
     from specdec.target.packs import is_pack, pack_gguf
 
@@ -362,11 +500,20 @@ def _load_for_llamacpp(
             f"dtype gguf runs a GGUF file in llama.cpp, and {str(model)!r} is a model directory; "
             "pass --gguf FILE or a model pack alias, or use another --dtype"
         )
-    shadow = load_model(
-        gguf=gguf, dtype="float32-stock", cache_dir=cache_dir, chat_template=chat_template
-    )
-    return dataclasses.replace(
-        shadow,
-        numerics="llama.cpp: the GGUF's own quantised blocks (llama-cpp-python), CPU",
-        dtype_name=GGUF_DTYPE,
-    )
+    gguf_path = Path(gguf) if gguf is not None else default_gguf_path()
+    if not gguf_path.is_file():
+        raise ModelNotFoundError(f"GGUF file {str(gguf_path)!r} does not exist")
+    directory = convert_gguf(gguf_path, cache_dir)  # once per file: config, tokenizer, identity
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    except Exception as e:
+        raise CorruptModelError(f"cannot load the tokenizer from {directory}: {e}") from e
+    if chat_template is not None:
+        tokenizer.chat_template = read_chat_template(chat_template)
+
+    def torch_copy() -> PreTrainedModel:
+        return load_model(
+            gguf=gguf_path, dtype="float32-stock", cache_dir=cache_dir, chat_template=chat_template
+        ).model
+
+    return LlamaCppLoadedModel(directory, tokenizer, str(gguf_path), torch_copy)
