@@ -5,8 +5,9 @@ weight bytes read per decoded token (every linear's packed weights, scales and b
 embedding row), the forward time T(k) for k new tokens over a 200-token cache (median of
 repeats, k = 1, 2, 4, 8, 16) and T(k)/T(1), next-token (argmax) agreement with fp32 and the
 perplexity of a fixed text (a Tiny Shakespeare excerpt and a Python function, teacher-forced).
-With ``--gguf-check`` it also measures how exactly the GGUF file's own Q4_K blocks map onto
-the int4 kernel's group-32 layout. Usage (one thread, pinned, as in docs/lowbit.md):
+``gguf`` is llama.cpp running the GGUF file itself (``--dtype gguf``): bytes per token are its
+quantised blocks. With ``--gguf-check`` it also measures how exactly the GGUF file's own Q4_K
+blocks map onto the int4 kernel's group-32 layout. Usage (one thread, pinned, as in docs/lowbit.md):
 
     taskset -c 1 .venv/bin/python bench/lowbit.py --model qwen2.5-coder-1.5b \\
         --dtypes float32,int8-dynamic,int8,int4,int4-g128 --threads 1 --gguf-check \\
@@ -76,7 +77,36 @@ def fixed_text() -> str:
     return prose + "\n\n" + CODE
 
 
-def forward_times(runner: ModelRunner, repeats: int) -> dict[int, float]:
+class _LlamaCppPass:
+    """``--dtype gguf``: llama.cpp's pass with every row's logits (what verification runs),
+    behind the two calls the measurements make."""
+
+    def __init__(self, runner) -> None:  # noqa: ANN001 - a LlamaCppRunner
+        self.runner, self.cache = runner, runner.cache
+
+    def reset(self) -> None:
+        self.runner.reset()
+
+    def forward(self, tokens, logits_to_keep: int = 0) -> torch.Tensor:  # noqa: ANN001
+        if logits_to_keep == 1:
+            return self.runner.forward(tokens)
+        return self.runner.forward_all(tokens)
+
+
+def gguf_bytes_per_token(path: Path) -> int:
+    """What llama.cpp reads per token from a GGUF: every tensor's quantised blocks, but one row
+    of the token embedding (all of it when it is also the output layer: tied embeddings)."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
+    total = sum(int(t.n_bytes) for t in tensors.values())
+    embd = tensors.get("token_embd.weight")
+    if embd is not None and "output.weight" in tensors:
+        total -= int(embd.n_bytes) - int(embd.n_bytes) // int(embd.shape[-1])
+    return total
+
+
+def forward_times(runner: ModelRunner | _LlamaCppPass, repeats: int) -> dict[int, float]:
     prefix = list(range(1000, 1200))
     runner.reset()
     runner.forward(prefix, logits_to_keep=1)
@@ -241,10 +271,17 @@ def main() -> None:
     extra: dict[str, object] = {}
     for i, dtype in enumerate(dtypes):
         t0 = time.perf_counter()
-        loaded = load_model(args.model, dtype=dtype)
+        where = {"gguf" if args.model.endswith(".gguf") else "model": args.model}
+        loaded = load_model(**where, dtype=dtype)
         load_s = time.perf_counter() - t0
         ids = loaded.tokenizer(fixed_text())["input_ids"]
-        runner = ModelRunner(loaded.model)
+        runner: ModelRunner | _LlamaCppPass
+        if dtype == "gguf":
+            from specdec.target.llamacpp import LlamaCppRunner, shared_model
+
+            runner = _LlamaCppPass(LlamaCppRunner(shared_model(loaded.source), args.threads))
+        else:
+            runner = ModelRunner(loaded.model)
         times = forward_times(runner, args.repeats)
         quality = None
         if args.quality_from:
@@ -262,12 +299,15 @@ def main() -> None:
             if i == 0:
                 ref_argmax = argmax
         assert ref_argmax is not None
-        emb = loaded.model.get_input_embeddings().weight
-        row_bytes = emb.shape[1] * emb.element_size()
+        if dtype == "gguf":
+            read = gguf_bytes_per_token(Path(loaded.source))
+        else:
+            emb = loaded.model.get_input_embeddings().weight
+            read = weight_bytes(loaded.model) + emb.shape[1] * emb.element_size()
         row = {
             "dtype": dtype,
             "numerics": loaded.numerics,
-            "weight_bytes_per_token": weight_bytes(loaded.model) + row_bytes,
+            "weight_bytes_per_token": read,
             "t_ms": {k: round(v * 1000, 2) for k, v in times.items()},
             "ratio": {k: round(v / times[1], 3) for k, v in times.items()},
             "agreement_with_first": (
