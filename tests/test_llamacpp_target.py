@@ -161,3 +161,30 @@ def test_serving_never_loads_the_torch_copy(smol_gguf):
     engine = SpeculativeEngine.from_pretrained(loaded, speculator="draft:layers:8")
     assert engine.generate(PROMPTS[0], max_new_tokens=8).token_ids
     assert loaded.materialised
+
+
+def test_the_kv_cache_grows_on_demand(smol_gguf, near_tie, monkeypatch):
+    """A context starts with INITIAL_CONTEXT KV slots and doubles when a request outgrows it,
+    decoding what it held into the new cache. Those K/V come from one replay pass instead of the
+    passes that first computed them, so later logits equal a never-grown context's up to
+    llama.cpp's pass-shape rounding (``near_tie`` is twice that, measured: zero here for the
+    bundled model, which makes this an exact comparison on this machine)."""
+    model = llamacpp.shared_model(default_gguf_path())
+    roomy = llamacpp.LlamaCppRunner(model)
+    monkeypatch.setattr(llamacpp, "INITIAL_CONTEXT", 32)
+    small = llamacpp.LlamaCppRunner(model)
+    assert small.allocated == 32 and roomy.allocated > 128
+    tokens = list(range(100, 190))
+    outs = []
+    for runner in (small, roomy):
+        first = runner.forward(tokens[:20])
+        middle = runner.forward_all(tokens[20:50])  # past 32 slots: grows to 64
+        runner.cache.rollback(45)  # rollback works on the grown cache
+        last = runner.forward(tokens[45:90])  # past 64: grows to 128
+        outs.append((first, middle, last))
+        assert runner.cache.tokens == tokens
+    assert small.allocated == 128
+    for a, b in zip(outs[0], outs[1], strict=True):
+        assert float((a - b).abs().max()) <= near_tie / 2
+    with pytest.raises(ConfigError, match="context holds"):
+        small.forward([5] * small.context_length)

@@ -41,6 +41,7 @@ INSTALL_HINT = (
     "draft in torch"
 )
 MAX_CONTEXT = 16_384  # KV slots per request: f16 K and V of a 0.5B Qwen2.5 are 12 KiB a token
+INITIAL_CONTEXT = 4096  # slots allocated at first (llama.cpp's default); grown on demand
 
 
 def available() -> bool:
@@ -140,26 +141,51 @@ class LlamaCppRunner:
     """A llama.cpp context over a shared :class:`LlamaModel`: one request's draft KV cache."""
 
     def __init__(self, model: LlamaModel, threads: int | None = None) -> None:
-        lib = model._lib
         self.model = model
-        self._lib = lib
+        self._lib = model._lib
         self.threads = int(threads or torch.get_num_threads())
+        # what a request may use; the KV cache itself starts smaller and grows (_grow)
         self.context_length = min(model.context_length or MAX_CONTEXT, MAX_CONTEXT)
+        self.allocated = min(self.context_length, INITIAL_CONTEXT)
+        self.ctx = self._new_context(self.allocated)
+        self.cache = _Cache(self)
+        self.vocab_size = model.vocab_size
+        self.device = torch.device("cpu")
+
+    def _new_context(self, n_ctx: int):  # noqa: ANN202 - a ctypes pointer
+        lib = self._lib
         params = lib.llama_context_default_params()
-        params.n_ctx = self.context_length
+        params.n_ctx = n_ctx
         params.n_batch = 512
         params.n_ubatch = 512
         params.n_seq_max = 1
         params.n_threads = self.threads
         params.n_threads_batch = self.threads
         params.no_perf = True
-        self.ctx = lib.llama_init_from_model(model.ptr, params)
-        if not self.ctx:
-            raise ConfigError(f"llama.cpp cannot create a context for {model.path}")
-        self._memory = lib.llama_get_memory(self.ctx)
-        self.cache = _Cache(self)
-        self.vocab_size = model.vocab_size
-        self.device = torch.device("cpu")
+        ctx = lib.llama_init_from_model(self.model.ptr, params)
+        if not ctx:
+            raise ConfigError(f"llama.cpp cannot create a context for {self.model.path}")
+        self._memory = lib.llama_get_memory(ctx)
+        return ctx
+
+    def _grow(self, needed: int) -> None:
+        """A larger KV cache, holding what the old one held.
+
+        Why: llama.cpp allocates (and zeroes) a context's whole KV cache up front, 28 KiB a
+        token for the 1.5B Qwen, so every request's context starts at INITIAL_CONTEXT slots
+        (llama.cpp's own default) and doubles when a request outgrows it. The held tokens are
+        decoded again into the new cache; their K/V may differ in the last bits from the
+        passes that first computed them (llama.cpp's results depend on a pass's shape), which
+        is the rounding ``--dtype gguf`` already has between k-token and 1-token passes."""
+        size = min(self.context_length, max(needed, 2 * self.allocated))
+        held = list(self.cache.tokens)
+        old = self.ctx
+        self.ctx = self._new_context(size)
+        self.allocated = size
+        self._lib.llama_free(old)
+        self.cache.tokens = []
+        if held:
+            self._decode_last(held)
 
     def __del__(self) -> None:
         ctx = getattr(self, "ctx", None)
@@ -185,11 +211,14 @@ class LlamaCppRunner:
         ids = [int(t) for t in tokens]
         if not ids:
             raise ValueError("forward needs at least one token")
-        if len(self.cache) + len(ids) > self.context_length:
+        needed = len(self.cache) + len(ids)
+        if needed > self.context_length:
             raise ConfigError(
                 f"the llama.cpp context holds {self.context_length} tokens; this request needs "
-                f"{len(self.cache) + len(ids)}"
+                f"{needed}"
             )
+        if needed > self.allocated:
+            self._grow(needed)
         return ids
 
     @torch.inference_mode()
@@ -199,7 +228,13 @@ class LlamaCppRunner:
         A drafting chain reads only the last token's logits (its catch-up and every drafted
         token), so that is all llama.cpp computes here."""
         del logits_to_keep  # always the last token: see above
-        tokens = self._room_for(tokens)
+        self._decode_last(self._room_for(tokens))
+        ptr = self._lib.llama_get_logits_ith(self.ctx, -1)
+        logits = np.ctypeslib.as_array(ptr, shape=(self.vocab_size,))
+        return torch.from_numpy(logits.copy())[None]
+
+    def _decode_last(self, tokens: list[int]) -> None:
+        """Append ``tokens`` to the cache in passes of 512, computing the last one's logits."""
         lib = self._lib
         for start in range(0, len(tokens), 512):
             part = tokens[start : start + 512]
@@ -209,9 +244,6 @@ class LlamaCppRunner:
                 self._remove_from(len(self.cache))  # what went in before the failure
                 raise RuntimeError(f"llama.cpp decode failed (status {status})")
         self.cache.tokens.extend(tokens)
-        ptr = lib.llama_get_logits_ith(self.ctx, -1)
-        logits = np.ctypeslib.as_array(ptr, shape=(self.vocab_size,))
-        return torch.from_numpy(logits.copy())[None]
 
     @torch.inference_mode()
     def forward_all(self, tokens: Sequence[int]) -> torch.Tensor:
