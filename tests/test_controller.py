@@ -85,6 +85,21 @@ def test_drafts_nothing_when_speculation_cannot_pay():
     assert all(c.probe for c in choices[100:] if c.arm is not None)
 
 
+def test_accepted_probes_that_do_not_pay_back_off():
+    """Steep verification (two tokens cost 1.68 steps, as llama.cpp on two AVX2 cores) and a
+    draft costing 0.45 of a step: a one-token probe whose token is accepted still loses to
+    plain decoding (2 tokens in 2.13 steps), so probes back off as if rejected instead of
+    recurring every ``probe_every`` steps."""
+    arm = ArmSpec("model", on_demand=True, draft_cost=0.45)
+    ctl = Controller([arm], flat_costs(slope=0.68), ControllerConfig(max_draft=4))
+    choices = run(ctl, 600, {}, lambda name, k: k)  # every drafted token accepted
+    probes = [i for i, c in enumerate(choices) if c.arm is not None]
+    assert all(choices[i].probe for i in probes)
+    assert len(probes) <= 8, probes  # 8, 16, 32, 64, 128, 128, ...: not one per 8 steps
+    gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
+    assert gaps == sorted(gaps) and gaps[-1] >= 64, gaps
+
+
 def test_costly_drafter_needs_high_acceptance():
     """An on-demand arm costing 0.7 T(1) per token does not pay at 60% acceptance, a free
     offered one does."""

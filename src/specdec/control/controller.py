@@ -26,10 +26,11 @@ Arms come in two kinds:
   chains, how many tokens to ask for, charging their measured drafting time.
 
 Exploration: an arm that is available but not chosen is probed (one token, or its tree) after
-``probe_every`` steps, the interval doubling after each failed probe up to ``max_probe_every``,
-so a low estimate can recover without costing much when it should not. Guardrail (ATLAS's
-speed floor): an arm with a ``guard`` (an adaptive speculator and the static one it must beat)
-is not chosen while its first-position acceptance is below the guard's; it is still probed.
+``probe_every`` steps, the interval doubling after each failed probe (one that did not beat
+plain decoding's rate) up to ``max_probe_every``, so a low estimate can recover without costing
+much when it should not. Guardrail (ATLAS's speed floor): an arm with a ``guard`` (an adaptive
+speculator and the static one it must beat) is not chosen while its first-position acceptance
+is below the guard's; it is still probed.
 
 Every decision is a function of acceptance outcomes and the cost model alone; with a frozen
 cost model (sampled requests) and fresh estimates it is reproducible for a given seed.
@@ -265,12 +266,31 @@ class Controller:
             st.nodes = d * st.nodes + (1 - d) * nodes
             st.depth = d * st.depth + (1 - d) * depth
         if choice.probe:
-            failed = accepted == 0
+            failed = not self._probe_paid(choice, depth, accepted, nodes)
             st.probe_interval = (
                 min(2 * st.probe_interval, self.config.max_probe_every)
                 if failed
                 else self.config.probe_every
             )
+
+    def _probe_paid(self, choice: Choice, depth: int, accepted: int, nodes: int | None) -> bool:
+        """Whether a probe beat plain decoding's rate on its own: its tokens (accepted + 1) per
+        the time its verification and drafting took, priced by the cost model.
+
+        Why not "anything accepted": where verification is steep (llama.cpp on two AVX2
+        cores: two tokens cost 1.68 decode steps) a draft model's one-token probe is accepted
+        82% of the time and still loses, so resetting the interval on every acceptance kept
+        probing it every 8 steps, about 15% of the run; now such probes back off like
+        rejected ones, while a probe that pays brings its arm back as before."""
+        spec = self._specs[choice.arm] if choice.arm is not None else None
+        if spec is None or accepted == 0:
+            return False
+        if spec.tree:
+            verify = self.costs.cost((nodes if nodes is not None else depth) + 1, tree=True)
+        else:
+            verify = self.costs.cost(depth + 1)
+        seconds = verify + self._draft_time(spec, depth)
+        return (accepted + 1) / seconds > 1.0 / self.costs.cost(1)
 
     def observe_draft_time(self, arm: str, amount: int, seconds: float) -> None:
         """Measured drafting time of ``amount`` tokens (chains) or one tree (amount 1); ignored
