@@ -446,6 +446,22 @@ class LlamaCppLoadedModel(LoadedModel):
         return sum(p.numel() for p in self._skeleton().parameters())
 
     def _embedding_digest(self) -> str:
+        """The digest, computed once per converted file and kept beside it: reading the
+        float32 embedding maps its pages (0.9 GB for the 151,936-token Qwen vocabulary), which
+        would count in the process's resident memory on every start."""
+        saved = self.directory / "specdec_embedding_sha256.txt"
+        if saved.is_file():
+            return saved.read_text().strip()
+        digest = self.compute_embedding_digest()
+        tmp = saved.with_name(f"{saved.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(digest + "\n")
+            tmp.replace(saved)
+        except OSError:  # a read-only cache: compute it next time too
+            tmp.unlink(missing_ok=True)
+        return digest
+
+    def compute_embedding_digest(self) -> str:
         """:meth:`LoadedModel.identity`'s digest read from the safetensors file in slices of
         rows (no full copy), equal to the torch model's (tested): the file holds the input
         embedding itself, or, for tied embeddings, only the output layer it shares."""
