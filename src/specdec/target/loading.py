@@ -387,6 +387,7 @@ class LlamaCppLoadedModel(LoadedModel):
         self.directory = directory
         self._loader = loader
         self._model: PreTrainedModel | None = None
+        self._meta: PreTrainedModel | None = None
         try:
             self._config = AutoConfig.from_pretrained(str(directory))
             self._generation_config = GenerationConfig.from_pretrained(str(directory))
@@ -435,9 +436,12 @@ class LlamaCppLoadedModel(LoadedModel):
         return Path(self.source).stat().st_size
 
     def _skeleton(self) -> PreTrainedModel:
-        """The model's modules on the meta device: names and shapes, no memory."""
-        with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(self._config)
+        """The model's modules on the meta device: names and shapes, no memory (built once:
+        every draft speculator built for this target asks for its parameter count)."""
+        if self._meta is None:
+            with torch.device("meta"):
+                self._meta = AutoModelForCausalLM.from_config(self._config)
+        return self._meta
 
     def _class_name(self) -> str:
         return type(self._skeleton()).__name__
