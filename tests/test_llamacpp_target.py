@@ -189,3 +189,23 @@ def test_the_kv_cache_grows_on_demand(smol_gguf, near_tie, monkeypatch):
         assert float((a - b).abs().max()) <= near_tie / 2
     with pytest.raises(ConfigError, match="context holds"):
         small.forward([5] * small.context_length)
+
+
+def test_verification_rows_come_back_in_order_across_passes(smol_gguf, near_tie, monkeypatch):
+    """forward_all reuses one batch of PASS slots and reads every row in a single copy; a
+    request longer than PASS takes several passes. Each row must be its own token's logits, in
+    order: compared with one-token passes (equal up to llama.cpp's pass-shape rounding, which
+    ``near_tie`` doubles; measured zero here for the bundled model)."""
+    model = llamacpp.shared_model(default_gguf_path())
+    monkeypatch.setattr(llamacpp, "PASS", 8)
+    runner = llamacpp.LlamaCppRunner(model)
+    tokens = list(range(300, 320))
+    runner.forward([1, 2, 3])
+    rows = runner.forward_all(tokens)  # passes of 8, 8 and 4
+    assert rows.shape == (20, runner.vocab_size) and runner.cache.tokens == [1, 2, 3] + tokens
+    runner.cache.rollback(3)
+    single = torch.cat([runner.forward_all([t]) for t in tokens])
+    assert float((rows - single).abs().max()) <= near_tie / 2
+    assert rows.argmax(-1).tolist() == single.argmax(-1).tolist()
+    # the rows differ from one another: a mix-up of rows could not pass the comparison above
+    assert float((rows[0] - rows[1]).abs().max()) > 1.0
