@@ -258,7 +258,7 @@ class LlamaCppRunner:
         return torch.from_numpy(logits.copy())[None]
 
     def _decode_last(self, tokens: list[int]) -> None:
-        """Append ``tokens`` to the cache in passes of PASS tokens, computing the last one's logits."""
+        """Append ``tokens`` to the cache in passes of PASS, computing the last one's logits."""
         lib = self._lib
         for start in range(0, len(tokens), PASS):
             part = tokens[start : start + PASS]
