@@ -100,6 +100,37 @@ def test_accepted_probes_that_do_not_pay_back_off():
     assert gaps == sorted(gaps) and gaps[-1] >= 64, gaps
 
 
+def test_an_arm_that_cannot_pay_even_at_full_acceptance_is_left_alone():
+    """Over llama.cpp's measured curve (T(n) = 1 + 0.71 (n - 1) steps) a draft whose tokens
+    cost 0.4 of a step loses even if all it drafts is accepted (2 tokens in 2.11 steps at
+    best). Once its drafting time is measured, its probes stop for HOPELESS_PROBE_FACTOR times
+    max_probe_every steps (each probe of a draft model first reads the whole context); a
+    draft measured cheaper is probed on the usual schedule again."""
+    from specdec.control.controller import HOPELESS_PROBE_FACTOR
+
+    arm = ArmSpec("model", on_demand=True, draft_cost=0.05)  # the prior thinks it cheap
+    ratios = {n: 1.0 + 0.71 * (n - 1) for n in range(1, 65)}
+    costs = CostModel(chain_ratios=ratios, tree_ratios=ratios)  # learns drafting time; T(1) = 1
+    ctl = Controller([arm], costs, ControllerConfig(max_draft=4))
+    unit = 0.4  # measured drafting time per token, in T(1) units
+    choices = []
+    for _ in range(1100):
+        choice = ctl.choose({}, cap=4)
+        choices.append(choice)
+        if choice.arm is not None:
+            ctl.observe_draft_time("model", choice.size, unit * choice.size)
+            ctl.observe(choice, choice.size, choice.size, choice.size)  # all accepted
+    probes = [i for i, c in enumerate(choices) if c.arm is not None]
+    limit = HOPELESS_PROBE_FACTOR * ctl.config.max_probe_every
+    assert len(probes) == 2 and probes[1] - probes[0] > limit, probes
+    assert ctl._hopeless(arm, 4, 1.0)
+    for _ in range(40):  # the draft got cheap (as its next probes would measure): back in play
+        ctl.observe_draft_time("model", 1, 0.05)
+    assert not ctl._hopeless(arm, 4, 1.0)
+    later = [ctl.choose({}, cap=4) for _ in range(3)]
+    assert any(c.arm == "model" for c in later)
+
+
 def test_costly_drafter_needs_high_acceptance():
     """An on-demand arm costing 0.7 T(1) per token does not pay at 60% acceptance, a free
     offered one does."""

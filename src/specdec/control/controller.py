@@ -28,9 +28,11 @@ Arms come in two kinds:
 Exploration: an arm that is available but not chosen is probed (one token, or its tree) after
 ``probe_every`` steps, the interval doubling after each failed probe (one that did not beat
 plain decoding's rate) up to ``max_probe_every``, so a low estimate can recover without costing
-much when it should not. Guardrail (ATLAS's speed floor): an arm with a ``guard`` (an adaptive
-speculator and the static one it must beat) is not chosen while its first-position acceptance
-is below the guard's; it is still probed.
+much when it should not; an on-demand arm that could not beat plain decoding even if all it
+drafted were accepted is probed only every ``HOPELESS_PROBE_FACTOR * max_probe_every`` steps
+(:meth:`Controller._hopeless`). Guardrail (ATLAS's speed floor): an arm with a ``guard`` (an
+adaptive speculator and the static one it must beat) is not chosen while its first-position
+acceptance is below the guard's; it is still probed.
 
 Every decision is a function of acceptance outcomes and the cost model alone; with a frozen
 cost model (sampled requests) and fresh estimates it is reproducible for a given seed.
@@ -44,6 +46,8 @@ from dataclasses import dataclass, field
 from specdec.control.budget import CostModel, expected_tokens
 from specdec.errors import ConfigError
 from specdec.tree import DraftTree
+
+HOPELESS_PROBE_FACTOR = 8  # an arm that cannot pay even at full acceptance: probes this rarer
 
 
 def size_class(tree: DraftTree) -> int:
@@ -201,6 +205,31 @@ class Controller:
         mine, theirs = self.state[spec.name], self.state[spec.guard]
         return mine.observed > 0 and theirs.observed > 0 and mine.alphas[0] < theirs.alphas[0]
 
+    def _hopeless(self, spec: ArmSpec, cap: int, plain: float) -> bool:
+        """Whether an on-demand arm would lose to plain decoding even if every token it drafted
+        were accepted, at its measured drafting time and the cost model's verification.
+
+        Why: over llama.cpp's Q4_K_M 1.5B on two AVX2 cores, two tokens cost 1.71 decode steps
+        and a token of the 0.5B draft 0.4 more, so the draft's best case is ~0.95x plain
+        decoding; probing it anyway costs its catch-up (reading the whole prompt: seconds on a
+        long one) besides the probe. Such an arm is probed only every
+        HOPELESS_PROBE_FACTOR * max_probe_every steps, so a changed cost can still bring it
+        back. Unmeasured arms are never hopeless: their first probe measures them."""
+        if not spec.on_demand or self.state[spec.name].draft_seconds is None or cap < 1:
+            return False
+        if spec.tree:
+            st = self.state[spec.name]
+            nodes, depth = max(1, round(st.nodes)), max(1, round(st.depth))
+            best = (min(depth, nodes) + 1) / (
+                self.costs.cost(nodes + 1, tree=True) + self._draft_time(spec, depth)
+            )
+        else:
+            best = max(
+                (k + 1) / (self.costs.cost(k + 1) + self._draft_time(spec, k))
+                for k in range(1, cap + 1)
+            )
+        return best <= plain
+
     def option(self, spec: ArmSpec, offer: object | None, cap: int) -> tuple[int, float, int]:
         """(size, rate, confidence class) of drafting with ``spec`` this step; size 0 when it
         cannot draft. ``offer``: the already proposed draft of an offered arm, else None."""
@@ -237,7 +266,10 @@ class Controller:
             if size > 0 and rate > best.rate and not self._blocked(spec):
                 best = Choice(spec.name, size, rate, bucket=bucket)
             st = self.state[spec.name]
-            if probe is None and st.since_chosen >= st.probe_interval and cap > 0:
+            interval = st.probe_interval
+            if self._hopeless(spec, cap, plain):
+                interval = HOPELESS_PROBE_FACTOR * self.config.max_probe_every
+            if probe is None and st.since_chosen >= interval and cap > 0:
                 probe_size = size if spec.tree or size == 0 else 1
                 probe = Choice(spec.name, max(1, probe_size), rate, True, bucket)
         if probe is not None:
