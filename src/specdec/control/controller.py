@@ -182,14 +182,24 @@ class Controller:
     def _alphas(self, name: str, bucket: int) -> list[float]:
         return self.state[name].alphas_for(bucket, self.config.prior_alpha)
 
-    def _tree_rate(self, spec: ArmSpec, depth: int, nodes: int, bucket: int = 0) -> float:
-        alphas = self._alphas(spec.name, bucket)
+    def _tree_rate(
+        self,
+        spec: ArmSpec,
+        depth: int,
+        nodes: int,
+        bucket: int = 0,
+        alphas: list[float] | None = None,
+    ) -> float:
+        alphas = self._alphas(spec.name, bucket) if alphas is None else alphas
         seconds = self.costs.cost(nodes, tree=True) + self._draft_time(spec, depth)
         return expected_tokens(alphas, depth) / seconds
 
-    def _chain_best(self, spec: ArmSpec, cap: int) -> tuple[int, float]:
-        """The chain length in 1..cap with the best rate, and that rate."""
-        alphas = self.state[spec.name].alphas
+    def _chain_best(
+        self, spec: ArmSpec, cap: int, alphas: list[float] | None = None
+    ) -> tuple[int, float]:
+        """The chain length in 1..cap with the best rate, and that rate (at ``alphas``, by
+        default the arm's estimates)."""
+        alphas = self.state[spec.name].alphas if alphas is None else alphas
         best_k, best = 0, 0.0
         for k in range(1, cap + 1):
             rate = expected_tokens(alphas, k) / (self.costs.cost(k + 1) + self._draft_time(spec, k))
@@ -209,25 +219,21 @@ class Controller:
         """Whether an on-demand arm would lose to plain decoding even if every token it drafted
         were accepted, at its measured drafting time and the cost model's verification.
 
-        Why: over llama.cpp's Q4_K_M 1.5B on two AVX2 cores, two tokens cost 1.71 decode steps
-        and a token of the 0.5B draft 0.4 more, so the draft's best case is ~0.95x plain
+        Why: over llama.cpp's Q4_K_M 1.5B on two AVX2 cores, two tokens cost 1.72 decode steps
+        and a token of the 0.5B draft 0.55 more, so the draft's best case is 0.88x plain
         decoding; probing it anyway costs its catch-up (reading the whole prompt: seconds on a
         long one) besides the probe. Such an arm is probed only every
         HOPELESS_PROBE_FACTOR * max_probe_every steps, so a changed cost can still bring it
         back. Unmeasured arms are never hopeless: their first probe measures them."""
-        if not spec.on_demand or self.state[spec.name].draft_seconds is None or cap < 1:
+        st = self.state[spec.name]
+        if not spec.on_demand or st.draft_seconds is None or cap < 1:
             return False
+        certain = [1.0] * len(st.alphas)
         if spec.tree:
-            st = self.state[spec.name]
             nodes, depth = max(1, round(st.nodes)), max(1, round(st.depth))
-            best = (min(depth, nodes) + 1) / (
-                self.costs.cost(nodes + 1, tree=True) + self._draft_time(spec, depth)
-            )
+            best = self._tree_rate(spec, min(depth, nodes), nodes + 1, alphas=certain)
         else:
-            best = max(
-                (k + 1) / (self.costs.cost(k + 1) + self._draft_time(spec, k))
-                for k in range(1, cap + 1)
-            )
+            best = self._chain_best(spec, cap, alphas=certain)[1]
         return best <= plain
 
     def option(self, spec: ArmSpec, offer: object | None, cap: int) -> tuple[int, float, int]:
@@ -266,10 +272,10 @@ class Controller:
             if size > 0 and rate > best.rate and not self._blocked(spec):
                 best = Choice(spec.name, size, rate, bucket=bucket)
             st = self.state[spec.name]
-            interval = st.probe_interval
-            if self._hopeless(spec, cap, plain):
-                interval = HOPELESS_PROBE_FACTOR * self.config.max_probe_every
-            if probe is None and st.since_chosen >= interval and cap > 0:
+            due = probe is None and cap > 0 and st.since_chosen >= st.probe_interval
+            if due and st.since_chosen < HOPELESS_PROBE_FACTOR * self.config.max_probe_every:
+                due = not self._hopeless(spec, cap, plain)  # priced only when a probe is due
+            if due:
                 probe_size = size if spec.tree or size == 0 else 1
                 probe = Choice(spec.name, max(1, probe_size), rate, True, bucket)
         if probe is not None:
