@@ -365,6 +365,27 @@ def test_packed_budget_lets_a_confident_sequence_draft_alone():
     assert BatchBudget(4, costs).choose([unsure])[0] >= 1
 
 
+def test_a_prompt_chunk_in_the_pass_does_not_make_drafting_look_cheap():
+    """A chunk of prompt tokens makes its pass slow per decoded token, but it is paid whatever
+    is drafted. A node worth less than a token of the plain full batch must stay priced out in
+    that pass too (it was drafted there: 0.94 of plain batching at 32 clients), while a node
+    that pays without the chunk still pays with it."""
+    from specdec.control.batch import BatchBudget, BatchCosts, Candidate
+
+    costs = BatchCosts()
+    for rows in (8, 32, 128):
+        costs.observe(rows, 0.035 + 0.0037 * rows)  # this machine's bundled model, roughly
+    middling = [Candidate([0.6] * 4, 4, nodes=4, depth=4)] * 32
+    for prompt in (0, 64, 512):
+        budget = BatchBudget(4, costs, overhead=1.0)
+        assert budget.choose(middling, prompt=prompt) == [0] * 32, prompt
+    sure = [Candidate([0.98] * 4, 4, nodes=4, depth=4)] + middling[1:]
+    for prompt in (0, 64):
+        assert BatchBudget(4, costs, overhead=1.0).choose(sure, prompt=prompt)[0] == 4
+    # folding the chunk into the other rows' price (the old rule) drafts the middling nodes
+    assert any(BatchBudget(4, costs, overhead=1.0).choose(middling, others=[64]))
+
+
 def test_prompt_chunks_riding_verification_passes_keep_the_invariant(tiny64):
     """Rows attached empty take their prompts as prefixes of verification passes, a few tokens
     per pass beside other rows' random trees; a row whose prompt completes in a pass has its

@@ -337,9 +337,7 @@ class BatchScheduler:
             chosen = set(sized)
             k_max = engine.num_draft_tokens
             others = [1 + min(budgets[i], k_max) for i in rows if i not in chosen]
-            if extra:
-                others.append(extra)
-            lengths = self.budget.choose(candidates, others)
+            lengths = self.budget.choose(candidates, others, extra)
             for i, c, k in zip(sized, candidates, lengths, strict=True):
                 budgets[i] = min(k, c.cap)
             length = max(lengths, default=0)
