@@ -77,6 +77,11 @@ def test_bad_configs(tiny_model_dir, other_vocab_model_dir, tmp_path):
         SpeculativeEngine.from_pretrained(loaded, speculator=f"draft:{tmp_path / 'nope'}")
     with pytest.raises(ConfigError, match="dtype"):
         load_model(tiny_model_dir, dtype="int3")
+    from specdec.server import ServerConfig
+
+    for chunk in (0, 2.5, True):
+        with pytest.raises(ConfigError, match="prefill_chunk"):
+            ServerConfig(model_name="m", prefill_chunk=chunk)  # type: ignore[arg-type]
 
 
 def test_missing_and_corrupt_models(tiny_model_dir, tmp_path):

@@ -193,10 +193,13 @@ def _tiny_fleet(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     started: list[Server] = []
     cli: dict[str, CliRun] = {}
     try:
-        # The main server of the suite: prompt-lookup speculation, room for 64 waiting requests.
+        # The main server of the suite: prompt-lookup speculation, room for 64 waiting requests,
+        # prompts entering the batch at most 8 tokens a step (most of them over several steps).
         started.append(
             Server(
-                [*model, "--speculator", "prompt-lookup", "--max-queue", "64"], logs / "tiny.log"
+                [*model, "--speculator", "prompt-lookup", "--max-queue", "64"]
+                + ["--prefill-chunk", "8"],
+                logs / "tiny.log",
             )
         )
         # No waiting room at all and one slot: one request decodes, others are refused while

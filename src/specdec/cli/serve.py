@@ -65,6 +65,13 @@ def serve(
     max_queue: Annotated[
         int, typer.Option(help="Requests allowed to wait; beyond it the server answers 429.")
     ] = 64,
+    prefill_chunk: Annotated[
+        int,
+        typer.Option(
+            help="Most prompt tokens one step carries while others decode (chunked prefill): "
+            "smaller keeps their inter-token latency down, larger admits newcomers sooner."
+        ),
+    ] = 64,
     request_timeout: Annotated[
         float, typer.Option(help="Seconds a request may spend queued plus decoding.")
     ] = 300.0,
@@ -83,6 +90,7 @@ def serve(
             max_queue=max_queue,
             max_batch=max_batch,
             request_timeout=request_timeout,
+            prefill_chunk=prefill_chunk,
         )
         engine = load_engine(
             model,

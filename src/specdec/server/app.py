@@ -143,7 +143,12 @@ class _Service:
         self.metrics = ServerMetrics(self.method)
         self.worker: EngineWorker | BatchWorker
         if config.max_batch > 1 and isinstance(engine, SpeculativeEngine) and engine.batchable:
-            worker = BatchWorker(engine, max_batch=config.max_batch, max_queue=config.max_queue)
+            worker = BatchWorker(
+                engine,
+                max_batch=config.max_batch,
+                max_queue=config.max_queue,
+                chunk=config.prefill_chunk,
+            )
             worker.on_step = self._observe_step
             self.worker = worker
         else:  # one request at a time (max_batch 1, or a target the batch cannot drive)

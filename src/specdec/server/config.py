@@ -20,6 +20,9 @@ class ServerConfig:
     gives no limit (OpenAI's default would run to the end of the context). ``speculator`` is the
     spec the engine was built from (``specdec serve --speculator``), reported by ``/health`` and
     ``/v1/models`` next to the speculator's name, so an operator sees its options too.
+    ``prefill_chunk`` is the most prompt tokens a step carries while other requests decode
+    (chunked prefill): larger admits newcomers in fewer steps (throughput, time to first
+    token), smaller keeps the others' inter-token latency down.
     """
 
     model_name: str
@@ -30,6 +33,7 @@ class ServerConfig:
     default_completion_tokens: int = 16  # OpenAI's default for /v1/completions
     default_max_tokens: int = 512
     max_body_bytes: int = 8 * 1024 * 1024
+    prefill_chunk: int = 64
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -38,6 +42,10 @@ class ServerConfig:
             raise ConfigError(f"max_batch must be an integer, got {self.max_batch!r}")
         if self.max_batch < 1:
             raise ConfigError(f"max_batch must be >= 1, got {self.max_batch}")
+        if isinstance(self.prefill_chunk, bool) or not isinstance(self.prefill_chunk, int):
+            raise ConfigError(f"prefill_chunk must be an integer, got {self.prefill_chunk!r}")
+        if self.prefill_chunk < 1:
+            raise ConfigError(f"prefill_chunk must be >= 1 prompt token, got {self.prefill_chunk}")
         if self.max_queue < 0:
             raise ConfigError(f"max_queue must be >= 0, got {self.max_queue}")
         if not self.request_timeout > 0:
