@@ -182,19 +182,17 @@ class BatchBudget:
         lengths: Sequence[int],
         others: Sequence[int],
         prompt: int = 0,
+        prompt_share: float = 0.0,
     ) -> float:
+        """Committed tokens per second of one allocation. ``prompt`` tokens ride the pass;
+        ``prompt_share`` is their own cost, left out of the price (see :meth:`choose`)."""
         takes = [s.takes(k) for s, k in zip(seqs, lengths, strict=True)]
         if self.packed:
             rows = sum(others) + sum(1 + nodes for nodes, _ in takes)
         else:
             width = max(max(others, default=1), 1 + max(nodes for nodes, _ in takes))
             rows = (len(seqs) + len(others)) * width
-        seconds = self.costs.cost(rows + prompt)
-        if prompt:
-            # the prompt chunk is paid whatever is drafted: only what the pass costs beyond it
-            # counts against the drafts (see :meth:`choose`)
-            plain = sum(others) + len(seqs) if self.packed else rows
-            seconds -= self.costs.cost(plain + prompt) - self.costs.cost(plain)
+        seconds = self.costs.cost(rows + prompt) - prompt_share
         seconds *= self.overhead if any(lengths) else 1.0
         drafting = sum(nodes for (nodes, _), s in zip(takes, seqs, strict=True) if s.nodes is None)
         seconds += self.draft_seconds_per_token * drafting
@@ -252,8 +250,12 @@ class BatchBudget:
             return []
         tops = [min(self.num_draft_tokens, s.cap if s.nodes is None else s.nodes) for s in seqs]
         best, best_rate = [0] * len(seqs), -1.0
+        share = 0.0  # the chunk's own cost, the same for every allocation
+        if prompt:
+            plain = sum(others) + len(seqs)  # prompts ride packed passes only
+            share = self.costs.cost(plain + prompt) - self.costs.cost(plain)
         for lengths in self._allocations(seqs, tops):
-            rate = self._rate(seqs, lengths, others, prompt)
+            rate = self._rate(seqs, lengths, others, prompt, share)
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = lengths, rate
         probed, self._probed = self._probed, False
