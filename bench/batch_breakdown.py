@@ -31,9 +31,14 @@ from specdec.target import load_model  # noqa: E402
 
 
 def run(
-    engine: SpeculativeEngine, clients: int, requests: int, max_tokens: int, fused: bool = True
+    engine: SpeculativeEngine,
+    clients: int,
+    requests: int,
+    max_tokens: int,
+    fused: bool = True,
+    chunk: int = 64,
 ) -> dict:
-    scheduler = BatchScheduler(engine, max_batch=max(clients, 1), fused=fused)
+    scheduler = BatchScheduler(engine, max_batch=max(clients, 1), chunk=chunk, fused=fused)
     prompts = [engine.encode(p, True) for p in PROMPTS]
     config = GenerationConfig.of(max_new_tokens=max_tokens, ignore_eos=True)
     sent = 0
@@ -48,8 +53,15 @@ def run(
     reports = []
     tokens = 0
     started = time.perf_counter()
+    last: dict[int, float] = {}  # a sequence's previous event, for the gaps between events
+    gaps: list[float] = []
     while not scheduler.idle:
-        for _, event in scheduler.step():
+        events = scheduler.step()
+        now = time.perf_counter()
+        for seq, event in events:
+            if seq.id in last:
+                gaps.append(now - last[seq.id])
+            last[seq.id] = now
             tokens += len(event.token_ids)
             if event.finish_reason is not None and sent < requests:
                 send()
@@ -65,6 +77,7 @@ def run(
         "p99 step s": sorted(r.seconds for r in reports if r is not None)[
             int(0.99 * (len(reports) - 1))
         ],
+        "p99 gap s": sorted(gaps)[int(0.99 * (len(gaps) - 1))] if gaps else 0.0,
         "verify s": sum(r.verify_seconds for r in decoding),
         "other s": wall - sum(r.verify_seconds for r in decoding),
     }
@@ -83,7 +96,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="prefill prompts in passes of their own, not inside the verification passes",
     )
+    ap.add_argument(
+        "--chunk", type=int, default=64, help="prompt tokens per step while others decode"
+    )
     args = ap.parse_args(argv)
+    if args.chunk < 1 or args.clients < 1 or args.requests < 1:
+        ap.error("--chunk, --clients and --requests must be at least 1")
     torch.set_num_threads(args.threads)
     model = load_model()
     engines = {
@@ -100,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.requests,
                 args.max_tokens,
                 not args.separate_prefill,
+                args.chunk,
             )
             rates[name].append(result["tok/s"])
             cells = ", ".join(
