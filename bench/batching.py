@@ -9,8 +9,16 @@ response: greedy requests for the same prompt must return the same text at every
 server's batch in lockstep, every sequence finishing on the same step; real traffic does not,
 and a speculating server never does, since each sequence advances at its own acceptance). Then
 a soak: ``--soak`` requests from 16 clients, a third of them hung up mid-stream at a random
-chunk, with the server's RSS sampled throughout. Writes ``report.md``, ``report.json`` and
-``throughput.png`` into ``--out``. Usage::
+chunk, with the server's RSS sampled throughout.
+
+Throughput is reported twice. ``tok/s (all)`` is the level's tokens over its whole wall time,
+drain included: the clients' last requests end at different times, and while the last few run
+the batch is not the level's size (a speculating batch desynchronises, so its drain is longer
+than a lockstep plain batch's). ``tok/s (busy)`` is the server's own token counter
+(``specdec_decoded_tokens_total``) read when the clients start and again the moment the first
+client runs out of requests: throughput while all the level's clients have a request in
+flight, which is what a server under steady load of that size delivers. Writes
+``report.md``, ``report.json`` and ``throughput.png`` into ``--out``. Usage::
 
     .venv/bin/python bench/batching.py --out docs/bench-batching --threads 1 \\
         --concurrency 1,4,16,32 --repeats 3 --soak 500
@@ -27,7 +35,6 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +53,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def decoded_tokens(url: str) -> float:
+    """The server's count of tokens handed out so far (it moves every step)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith("specdec_decoded_tokens_total "):
+            return float(line.rsplit(" ", 1)[1])
+    raise RuntimeError(f"{url} exports no specdec_decoded_tokens_total (an older server?)")
 
 
 class ServerProcess:
@@ -90,6 +106,9 @@ class ServerProcess:
                     le = line.split('le="')[1].split('"')[0]
                     out[key][le] = float(line.rsplit(" ", 1)[1])
         return out
+
+    def decoded_tokens(self) -> float:
+        return decoded_tokens(self.url)
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -154,6 +173,14 @@ def stream_one(
     return Result(True, prompt, "".join(parts), tokens, ttft, gaps, wanted=max_tokens)
 
 
+@dataclass
+class Busy:
+    """The window in which every client had a request in flight, by the server's counter."""
+
+    seconds: float = 0.0
+    tokens: float = 0.0
+
+
 def run_clients(
     server: ServerProcess,
     clients: int,
@@ -161,10 +188,11 @@ def run_clients(
     lengths: list[int],
     hang_up: float = 0.0,
     seed: int = 0,
+    busy: Busy | None = None,
 ) -> tuple[list[Result], float]:
     """``lengths``: the max_tokens each request's is drawn from (seeded: both servers get the
-    same plan)."""
-    local = threading.local()
+    same plan). Each client sends its next request as soon as its last one ends; ``busy`` (if
+    given) receives the all-clients-busy window (see the module doc)."""
     rng = random.Random(seed)
     draw = random.Random(seed + 1)
     plan = [
@@ -175,20 +203,41 @@ def run_clients(
         )
         for i in range(requests)
     ]
+    results: list[Result | None] = [None] * requests
+    lock = threading.Lock()
+    next_index = 0
+    idle_seen = False
+    start_tokens = server.decoded_tokens() if busy is not None else 0.0
 
-    def task(i: int) -> Result:
-        if not hasattr(local, "client"):
-            local.client = httpx.Client(base_url=server.url, timeout=600.0)
-        prompt, hang, max_tokens = plan[i]
-        try:
-            return stream_one(local.client, server.model, prompt, max_tokens, hang)
-        except httpx.HTTPError as e:
-            return Result(False, prompt, error=f"{type(e).__name__}: {e}")
+    def client() -> None:
+        nonlocal next_index, idle_seen
+        with httpx.Client(base_url=server.url, timeout=600.0) as http:
+            while True:
+                with lock:
+                    i = next_index
+                    next_index += 1
+                    first_idle = i >= requests and not idle_seen
+                    idle_seen = idle_seen or first_idle
+                if i >= requests:
+                    if first_idle and busy is not None:
+                        busy.seconds = time.perf_counter() - start
+                        busy.tokens = server.decoded_tokens() - start_tokens
+                    return
+                prompt, hang, max_tokens = plan[i]
+                try:
+                    results[i] = stream_one(http, server.model, prompt, max_tokens, hang)
+                except httpx.HTTPError as e:
+                    results[i] = Result(False, prompt, error=f"{type(e).__name__}: {e}")
 
     start = time.perf_counter()
-    with ThreadPoolExecutor(clients) as pool:
-        results = list(pool.map(task, range(requests)))
-    return results, time.perf_counter() - start
+    threads = [threading.Thread(target=client) for _ in range(max(1, clients))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    missing = Result(False, -1, error="not run")
+    return [r if r is not None else missing for r in results], wall
 
 
 def histogram(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
@@ -218,7 +267,8 @@ def level(
     refs: dict[tuple[int, int], str],
 ) -> dict[str, Any]:
     before = server.metrics()
-    results, wall = run_clients(server, clients, requests, lengths)
+    busy = Busy()
+    results, wall = run_clients(server, clients, requests, lengths, busy=busy)
     after = server.metrics()
     good = [r for r in results if r.ok]
     for r in good:
@@ -238,6 +288,8 @@ def level(
         "tokens": tokens,
         "wall_s": round(wall, 2),
         "tok_s": round(tokens / wall, 2),
+        "busy_tok_s": round(busy.tokens / busy.seconds, 2) if busy.seconds else 0.0,
+        "busy_s": round(busy.seconds, 2),
         "ttft_p50_s": round(percentile([r.ttft for r in good], 50), 3),
         "ttft_p99_s": round(percentile([r.ttft for r in good], 99), 3),
         "itl_p50_ms": round(1000 * percentile(gaps, 50), 1),
@@ -260,6 +312,7 @@ def merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
         out[key] = sum(r[key] for r in runs)
     out["wall_s"] = round(sum(r["wall_s"] for r in runs), 2)
     out["tok_s"] = round(statistics.median(r["tok_s"] for r in runs), 2)
+    out["busy_tok_s"] = round(statistics.median(r["busy_tok_s"] for r in runs), 2)
     gaps = [g for r in runs for g in r["_gaps"]]
     ttfts = [t for r in runs for t in r["_ttfts"]]
     out["ttft_p50_s"] = round(percentile(ttfts, 50), 3)
@@ -275,6 +328,7 @@ def merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
         out[f"{key}_mean"] = round(mean_of(hist), 2)
     out["errors"] = sorted({e for r in runs for e in r["errors"]})[:3]
     out["tok_s_runs"] = [r["tok_s"] for r in runs]
+    out["busy_tok_s_runs"] = [r["busy_tok_s"] for r in runs]
     return out
 
 
@@ -347,26 +401,34 @@ def plot(configs: list[dict[str, Any]], out: Path) -> None:
 def markdown(configs: list[dict[str, Any]], soaked: dict[str, Any] | None, cmd: str) -> str:
     lines = [f"`{cmd}`", ""]
     lines.append(
-        "| server | clients | tok/s (all) | × 1 client | TTFT p50 s | ITL p50 ms | ITL p99 ms "
-        "| p99 × 1 client | mean batch | mean draft L | lost | mixed | truncated |"
+        "| server | clients | tok/s (all) | × 1 client | tok/s (busy) | TTFT p50 s | ITL p50 ms "
+        "| ITL p99 ms | p99 × 1 client | mean batch | mean draft L | lost | mixed | truncated |"
     )
-    lines.append("|" + "---|" * 13)
+    lines.append("|" + "---|" * 14)
     for cfg in configs:
         base = cfg["levels"][0]
         for lv in cfg["levels"]:
             lines.append(
                 f"| {cfg['label']} | {lv['clients']} | {lv['tok_s']} | "
-                f"{lv['tok_s'] / base['tok_s']:.2f} | {lv['ttft_p50_s']} | {lv['itl_p50_ms']} | "
+                f"{lv['tok_s'] / base['tok_s']:.2f} | {lv.get('busy_tok_s', '-')} | "
+                f"{lv['ttft_p50_s']} | {lv['itl_p50_ms']} | "
                 f"{lv['itl_p99_ms']} | {lv['itl_p99_ms'] / base['itl_p99_ms']:.2f} | "
                 f"{lv['batch_mean']} | {lv['draft_mean']} | {lv['lost']} | {lv['mixed']} | "
                 f"{lv['truncated']} |"
             )
     if len(configs) == 2:
-        lines += ["", "| clients | speculation tok/s ÷ plain tok/s | per repeat |", "|---|---|---|"]
+        lines += [
+            "",
+            "| clients | speculation ÷ plain, tok/s (all) | per repeat "
+            "| speculation ÷ plain, tok/s (busy) | per repeat |",
+            "|---|---|---|---|---|",
+        ]
         for a, b in zip(configs[0]["levels"], configs[1]["levels"], strict=True):
-            each = [x / y for x, y in zip(a["tok_s_runs"], b["tok_s_runs"], strict=True)]
-            cells = ", ".join(f"{r:.2f}" for r in each)
-            lines.append(f"| {a['clients']} | {statistics.median(each):.2f} | {cells} |")
+            cells = []
+            for key in ("tok_s_runs", "busy_tok_s_runs"):
+                each = [x / y if y else 0.0 for x, y in zip(a[key], b[key], strict=True)]
+                cells += [f"{statistics.median(each):.2f}", ", ".join(f"{r:.2f}" for r in each)]
+            lines.append(f"| {a['clients']} | " + " | ".join(cells) + " |")
     if soaked:
         lines += ["", "Soak (16 clients, a third hung up mid-stream):", ""]
         keys = [k for k in soaked if k != "rss_series_mb"]

@@ -270,6 +270,9 @@ def test_metrics_in_prometheus_format(tiny_server: Server) -> None:
     assert after[invalid] - before.get(invalid, 0) == 1
     gen = ("specdec_completion_tokens_total", ())
     assert after[gen] - before.get(gen, 0) >= 3
+    # counted step by step as they are handed out; once the requests are over, the same total
+    decoded = ("specdec_decoded_tokens_total", ())
+    assert after[decoded] - before.get(decoded, 0) == after[gen] - before.get(gen, 0)
     ttft = ("specdec_time_to_first_token_seconds_count", ())
     assert after[ttft] - before.get(ttft, 0) == 3
     itl = ("specdec_inter_token_latency_seconds_count", ())

@@ -494,6 +494,7 @@ class _Run:
         metrics = self.service.metrics
         self._stats = produced.stats
         if produced.event.token_ids:
+            metrics.decoded_tokens.inc(len(produced.event.token_ids))
             if self._first_at is None:
                 self._first_at = produced.at
                 metrics.ttft.observe(produced.at - self.job.submitted)

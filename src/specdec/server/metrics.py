@@ -67,6 +67,13 @@ class ServerMetrics:
             "Generated tokens (including those of requests cancelled midway).",
             registry=r,
         )
+        self.decoded_tokens = Counter(
+            "specdec_decoded_tokens",
+            "Generated tokens counted as each step hands them out, where "
+            "specdec_completion_tokens waits for the request's end: rate() of this one is the "
+            "live decode throughput, and a load test reads it over a window of its choosing.",
+            registry=r,
+        )
         self.ttft = Histogram(
             "specdec_time_to_first_token_seconds",
             "From request admission (queueing included) to its first generated token.",
