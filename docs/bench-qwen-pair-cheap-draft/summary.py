@@ -55,15 +55,20 @@ def main(paths: list[str]) -> None:
             qs = [q for q in complete if complete[q]["none"]["group"] == g]
         cells = [f"{geomean([ratio(q, m) for q in qs]):.2f}×" for m in methods[1:]]
         print(f"| {g} | {len(qs)} | " + " | ".join(cells) + " |")
-    # Across groups: the geometric mean of the per-group means, so code's 10 prompts weigh as
-    # one group.
-    print("\nAcross the groups (geometric mean of per-group geometric means):")
-    for m in methods[1:]:
-        per_group = [
-            geomean([ratio(q, m) for q in complete if complete[q]["none"]["group"] == g])
-            for g in groups
-        ]
-        print(f"- `{short(m)}`: {geomean(per_group):.2f}×")
+    # Across groups: the geometric mean of the per-group means. Issue 19's "across the groups"
+    # target reads the six Spec-Bench groups; code has a target of its own. Pages before
+    # 2026-12-05 quoted the seven-group figure (code included) as the six groups'.
+    for title, gs in (
+        ("the six Spec-Bench groups", spec_bench),
+        ("all seven groups (the six and code, code's 10 prompts weighing as one group)", groups),
+    ):
+        print(f"\nAcross {title} (geometric mean of per-group geometric means):")
+        for m in methods[1:]:
+            per_group = [
+                geomean([ratio(q, m) for q in complete if complete[q]["none"]["group"] == g])
+                for g in gs
+            ]
+            print(f"- `{short(m)}`: {geomean(per_group):.2f}×")
 
     assisted = next((m for m in methods if m.startswith("hf-assisted")), None)
     if assisted:
