@@ -206,20 +206,18 @@ def run_clients(
     results: list[Result | None] = [None] * requests
     lock = threading.Lock()
     next_index = 0
-    idle_seen = False
     start_tokens = server.decoded_tokens() if busy is not None else 0.0
 
     def client() -> None:
-        nonlocal next_index, idle_seen
+        nonlocal next_index
         with httpx.Client(base_url=server.url, timeout=600.0) as http:
             while True:
                 with lock:
                     i = next_index
                     next_index += 1
-                    first_idle = i >= requests and not idle_seen
-                    idle_seen = idle_seen or first_idle
                 if i >= requests:
-                    if first_idle and busy is not None:
+                    # index ``requests`` is handed out once: to the first client left idle
+                    if i == requests and busy is not None:
                         busy.seconds = time.perf_counter() - start
                         busy.tokens = server.decoded_tokens() - start_tokens
                     return

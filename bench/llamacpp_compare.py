@@ -210,8 +210,9 @@ def main() -> None:
     ap.add_argument("--modes", default="llama,llama-spec,ours,ours-draft,ours-lookup")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
+    modes = args.modes.split(",")
     known = {"llama", "llama-wall", "llama-spec", "ours", "ours-draft", "ours-auto", "ours-lookup"}
-    unknown = [m for m in args.modes.split(",") if m not in known]
+    unknown = [m for m in modes if m not in known]
     if unknown:
         ap.error(f"unknown --modes {', '.join(unknown)}; choose from {', '.join(sorted(known))}")
     needed = {
@@ -219,7 +220,7 @@ def main() -> None:
         "llama-wall": "llama-completion",
         "llama-spec": "llama-speculative-simple",
     }
-    for mode in args.modes.split(","):
+    for mode in modes:
         tool = needed.get(mode)
         if tool and not (args.llama_bin / tool).is_file():
             ap.error(
@@ -234,7 +235,6 @@ def main() -> None:
 
     args.target_gguf = pack_gguf(args.target)
     args.draft_gguf = pack_gguf(args.draft)
-    modes = args.modes.split(",")
     prompts = load_prompts(args.per_group, args.code)
     engines = {}
     if any(m.startswith("ours") for m in modes):
