@@ -863,9 +863,12 @@ def _gguf_by_default(options: DraftOptions, target: LoadedModel) -> bool:
 
 
 def _build_llamacpp(target: LoadedModel, options: DraftOptions) -> DraftModelSpeculator:
+    from specdec.target import llamacpp
     from specdec.target.llamacpp import LlamaModel
     from specdec.target.loading import gguf_tokenizer
 
+    if not llamacpp.available():  # checked first: a model loaded earlier would hide it
+        raise ConfigError(llamacpp.INSTALL_HINT)
     if target.device.type != "cpu":
         raise ConfigError(
             "draft: dtype=gguf runs the draft on the CPU with llama.cpp; with a target on "
