@@ -20,6 +20,7 @@ from specdec.control import CostModel
 from specdec.control.arms import ArmController
 from specdec.control.calibration import (
     CostCalibration,
+    cost_calibration_path,
     load_cost_calibration,
     measure_verify_costs,
     save_cost_calibration,
@@ -396,6 +397,39 @@ def test_calibration_measures_saves_and_primes_the_engine(tiny64, tmp_path, monk
         CostCalibration.from_json(json.loads('{"format": "other"}'))
     with pytest.raises(ValueError):
         measure_verify_costs(tiny64, [65])
+
+
+def test_first_use_calibrates_packs_or_as_told_and_saves_it(tiny64, tmp_path, monkeypatch, caplog):
+    """A speculating engine on a model without a calibration measures one once (model packs by
+    default, any model with SPECDEC_CALIBRATE=always); plain decoding and 'never' measure
+    nothing; a bad value is named and the default kept."""
+    from specdec.control import calibration
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(calibration, "FIRST_USE_SIZES", (1, 2, 4, 8))
+    SpeculativeEngine.from_pretrained(tiny64, speculator="prompt-lookup")  # default: packs only
+    assert load_cost_calibration(tiny64) is None
+    monkeypatch.setenv("SPECDEC_CALIBRATE", "never")
+    SpeculativeEngine.from_pretrained(tiny64, speculator="prompt-lookup")
+    assert load_cost_calibration(tiny64) is None
+    monkeypatch.setenv("SPECDEC_CALIBRATE", "sometimes")
+    with caplog.at_level("WARNING"):
+        SpeculativeEngine.from_pretrained(tiny64, speculator="prompt-lookup")
+    assert "SPECDEC_CALIBRATE='sometimes' is not one of packs, always, never" in caplog.text
+    assert load_cost_calibration(tiny64) is None
+    monkeypatch.setenv("SPECDEC_CALIBRATE", "always")
+    SpeculativeEngine.from_pretrained(tiny64, speculator="none")  # plain: nothing to price
+    assert load_cost_calibration(tiny64) is None
+    engine = SpeculativeEngine.from_pretrained(tiny64, speculator="prompt-lookup")
+    saved = load_cost_calibration(tiny64)
+    assert saved is not None and set(saved.chain) == {1, 2, 4, 8}
+    assert engine.cost_model.chain_ratios == saved.ratios(False)
+    # between two timed sizes the price is on the line joining them, not the generic slope
+    r4, r8 = engine.cost_model.ratio(4), engine.cost_model.ratio(8)
+    assert min(r4, r8) <= engine.cost_model.ratio(6) <= max(r4, r8)
+    mtime = cost_calibration_path(tiny64).stat().st_mtime_ns
+    SpeculativeEngine.from_pretrained(tiny64, speculator="prompt-lookup")  # once only
+    assert cost_calibration_path(tiny64).stat().st_mtime_ns == mtime
 
 
 # -- auto, end to end ----------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerBase
 from specdec.config import GenerationConfig
 from specdec.control import AdaptiveBudget, CostModel, FixedBudget, NodeBudget
 from specdec.control.arms import ArmController, AutoOptions, build_arm_controller
-from specdec.control.calibration import load_cost_calibration
+from specdec.control.calibration import calibrate_on_first_use, load_cost_calibration
 from specdec.errors import ConfigError, InvalidRequestError
 from specdec.events import GenerationResult, ResultBuilder, TokenEvent
 from specdec.grammar import Grammar, GrammarCompiler, GrammarConstraint
@@ -55,9 +55,16 @@ def _target_for(loaded: LoadedModel) -> Target:
     return HFTarget(loaded)
 
 
-def _initial_costs(loaded: LoadedModel | None) -> CostModel:
-    """The saved calibration's ratios as the prior when there is one, else the generic one."""
-    calibration = load_cost_calibration(loaded) if loaded is not None else None
+def _initial_costs(loaded: LoadedModel | None, speculating: bool) -> CostModel:
+    """The saved calibration's ratios as the prior when there is one (measured now, on first
+    use, for a model that should have one: :func:`calibrate_on_first_use`), else the generic
+    one. Plain decoding prices nothing, so an engine that never drafts measures nothing."""
+    if loaded is None:
+        calibration = None
+    elif speculating:
+        calibration = calibrate_on_first_use(loaded)
+    else:
+        calibration = load_cost_calibration(loaded)
     if calibration is None:
         return CostModel()
     return CostModel.calibrated(calibration.ratios(tree=False), calibration.ratios(tree=True))
@@ -151,7 +158,9 @@ class SpeculativeEngine:
         self.num_draft_tokens = num_draft_tokens
         self.adaptive = adaptive
         # T(n) measured on this machine, shared by requests; from `specdec calibrate cost`
-        self.cost_model = _initial_costs(loaded)
+        self.cost_model = _initial_costs(
+            loaded, arms is not None or not isinstance(self.speculator, NoSpeculator)
+        )
         self._cost_prior = self.cost_model.frozen_prior()  # for sampled requests
         self.loaded = loaded
         self._grammar_compiler: GrammarCompiler | None = None  # built by the first grammar

@@ -85,6 +85,24 @@ def monotone(ratios: dict[int, float]) -> dict[int, float]:
     return {n: round(r, 6) for n, r in zip(sorted(ratios), fitted, strict=True)}
 
 
+def _interpolate(fit: dict[int, float], n: int) -> float | None:
+    """T(n)/T(1) between two calibrated sizes, on the straight line joining them (a sparse
+    calibration, such as the one taken on first use, times a grid of sizes, not each one);
+    ``None`` outside the calibrated range, where a line would be a guess.
+
+    >>> _interpolate({1: 1.0, 4: 1.3, 8: 1.7}, 6), _interpolate({1: 1.0, 4: 1.3}, 5)
+    (1.5, None)
+    """
+    if n in fit:
+        return fit[n]
+    below = [m for m in fit if m < n]
+    above = [m for m in fit if m > n]
+    if not below or not above:
+        return None
+    lo, hi = max(below), min(above)
+    return round(fit[lo] + (fit[hi] - fit[lo]) * (n - lo) / (hi - lo), 6)
+
+
 @dataclass
 class CostModel:
     """Verification time T(n) of an n-node chain or tree, and drafting time per token.
@@ -181,11 +199,11 @@ class CostModel:
     def _prior_ratio(self, n: int, tree: bool) -> tuple[float, bool]:
         """T(n)/T(1) before anything is observed, and whether it was calibrated."""
         chain_fit, tree_fit = self._fitted
-        ratios = tree_fit if tree else chain_fit
-        if n in ratios:
-            return ratios[n], True
-        if tree and n in chain_fit:  # no tree calibration: a tree costs at least a chain
-            return chain_fit[n], True
+        for table in (tree_fit, chain_fit) if tree else (chain_fit,):
+            # no tree calibration: a tree costs at least a chain
+            inside = _interpolate(table, n)
+            if inside is not None:
+                return inside, True
         return 1.0 + self.prior_slope * (n - 1), False
 
     def ratio(self, n: int, tree: bool = False) -> float:

@@ -34,6 +34,11 @@ log = logging.getLogger(__name__)
 FORMAT = "specdec-cost-calibration"
 VERSION = 1
 DEFAULT_SIZES = tuple(range(1, 65))
+# what the first use of a model times: a grid (the cost model interpolates between sizes),
+# about 15 seconds for the 1.5B Qwen in fp32 on a 2-core CPU
+FIRST_USE_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
+FIRST_USE_ENV = "SPECDEC_CALIBRATE"
+FIRST_USE_MODES = ("packs", "always", "never")
 
 
 @dataclass(frozen=True)
@@ -199,3 +204,57 @@ def measure_verify_costs(
         threads=torch.get_num_threads(),
         prefix_len=prefix_len,
     )
+
+
+def _first_use_mode() -> str:
+    mode = os.environ.get(FIRST_USE_ENV, "packs").strip().lower() or "packs"
+    if mode not in FIRST_USE_MODES:
+        log.warning(
+            "%s=%r is not one of %s; using 'packs'", FIRST_USE_ENV, mode, ", ".join(FIRST_USE_MODES)
+        )
+        return "packs"
+    return mode
+
+
+def _from_pack(loaded: LoadedModel) -> bool:
+    from specdec.target.packs import PACKS
+
+    return Path(loaded.source).name in {pack.filename for pack in PACKS.values()}
+
+
+def calibrate_on_first_use(loaded: LoadedModel) -> CostCalibration | None:
+    """The saved calibration, or for a model that should have one, a new one measured now.
+
+    Why: the draft length a controller picks is only as good as its price of verification,
+    and a generic prior misprices real models badly (the 1.5B Qwen in fp32 on a 2-core EPYC
+    verifies 4 tokens *faster* than 1; with the prior the paired draft reached 2.65-3.08x on
+    code, with the calibration 3.69x: docs/2026-12-05-qwen-pair-epyc2.md). A user should not
+    need to know ``specdec calibrate cost`` exists, so the first engine built on a model pack
+    times a grid of sizes (seconds, once per machine, model, dtype and device) and saves it.
+    ``SPECDEC_CALIBRATE`` chooses where: ``packs`` (the default), ``always`` (any model) or
+    ``never``. A failure only costs speed: it is logged and the generic prior is used.
+    """
+    saved = load_cost_calibration(loaded)
+    mode = _first_use_mode()
+    if saved is not None or mode == "never" or (mode == "packs" and not _from_pack(loaded)):
+        return saved
+    from tqdm.auto import tqdm
+
+    path = cost_calibration_path(loaded)
+    log.warning(
+        "measuring this model's verification cost once on this machine (saved to %s; "
+        "%s=never skips it)",
+        path,
+        FIRST_USE_ENV,
+    )
+
+    def progress(plan: Iterable[Any]) -> Iterable[Any]:
+        return tqdm(plan, desc="calibrating verification cost", unit="pass", leave=False)
+
+    try:
+        calibration = measure_verify_costs(loaded, FIRST_USE_SIZES, repeats=2, progress=progress)
+        save_cost_calibration(loaded, calibration)
+    except (OSError, RuntimeError, ValueError) as e:
+        log.warning("could not calibrate the verification cost (%s); using the generic prior", e)
+        return None
+    return calibration
