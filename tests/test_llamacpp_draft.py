@@ -41,6 +41,12 @@ def test_bad_specs_fail_before_anything_loads():
         parse_spec("draft:model=x.gguf,dtype=gguf,tree=auto")
     with pytest.raises(ConfigError, match="vocab="):
         parse_spec("draft:model=x.gguf,dtype=gguf,vocab=1024")
+    with pytest.raises(
+        ConfigError, match="dtype=gguf-q9 is not a llama.cpp draft numerics.*gguf-q4_0"
+    ):
+        parse_spec("draft:model=x.gguf,dtype=gguf-q9")
+    with pytest.raises(ConfigError, match="chains only"):
+        parse_spec("draft:model=x.gguf,dtype=gguf-q4_0,tree=auto")
 
 
 @needs_llama
@@ -56,6 +62,30 @@ def test_greedy_output_equals_plain_decoding(smol64):
         accepted += got.stats.accepted_tokens
     # the Q4_1 copy of the target agrees with it most of the time: the draft really drafted
     assert accepted >= 24
+
+
+@needs_llama
+def test_a_requantized_draft_is_made_once_and_stays_lossless(smol64):
+    """dtype=gguf-q4_0 (the default for a GGUF draft on a CPU) requantizes the draft's file once
+    into the cache: another build reuses it, and the output is still the target's own."""
+    from specdec.target.loading import cache_root
+
+    plain = SpeculativeEngine.from_pretrained(smol64, speculator="none")
+    spec = f"draft:model={default_gguf_path()},dtype=gguf-q4_0,k=6"
+    engine = SpeculativeEngine.from_pretrained(smol64, speculator=spec)
+    (made,) = (cache_root() / "requant").glob("*.q4_0.*.gguf")
+    assert "requantized to Q4_0" in engine.speculator.description
+    assert made.stat().st_size < default_gguf_path().stat().st_size  # Q4_1 -> Q4_0: smaller
+    mtime = made.stat().st_mtime_ns
+    SpeculativeEngine.from_pretrained(smol64, speculator=spec)
+    assert made.stat().st_mtime_ns == mtime and not list(made.parent.glob("*.tmp"))
+    accepted = 0
+    for prompt in PROMPTS:
+        expected = plain.generate(prompt, chat=True, max_new_tokens=32, speculate=False)
+        got = engine.generate(prompt, chat=True, max_new_tokens=32)
+        assert got.token_ids == expected.token_ids, prompt
+        accepted += got.stats.accepted_tokens
+    assert accepted >= 16  # the twice-rounded copy still agrees with the target often
 
 
 @needs_llama
@@ -118,3 +148,16 @@ def test_past_the_drafts_context_the_request_goes_on_without_drafts(smol64):
     got = engine.generate(prompt, chat=True, max_new_tokens=24)
     assert got.token_ids == expected.token_ids
     assert got.stats.prompt_tokens > 40 and got.stats.drafted_tokens == 0
+
+
+@needs_llama
+def test_a_gguf_draft_defaults_to_the_requantized_file_on_a_cpu(smol_dir):
+    """With no dtype= a GGUF draft for a CPU target runs in llama.cpp, requantized to Q4_0 (the
+    fastest measured: docs/2026-12-05-draft-requant.md); dtype=gguf keeps the file as it is."""
+    target = load_model(smol_dir)
+    default = SpeculativeEngine.from_pretrained(target, speculator=f"draft:{default_gguf_path()}")
+    assert default.speculator.description.endswith("(llama.cpp, requantized to Q4_0)")
+    as_is = SpeculativeEngine.from_pretrained(
+        target, speculator=f"draft:model={default_gguf_path()},dtype=gguf"
+    )
+    assert as_is.speculator.description.endswith("(llama.cpp)")

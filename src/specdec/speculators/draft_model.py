@@ -53,6 +53,21 @@ DEFAULT_TREE_DEPTH = 8  # deepest tree drafted when k= is not given
 DEFAULT_CHAIN_DEPTH = 16  # longest self-sized chain (length=auto) when k= is not given
 CHAIN_LENGTHS = ("auto", "budget")
 GGUF_DTYPE = "gguf"  # the draft's GGUF weights as they are, run by llama.cpp
+# the draft's GGUF requantized once to Q4_0 by llama.cpp: the default on a CPU (fastest measured)
+GGUF_Q4_0 = "gguf-q4_0"
+
+
+def _gguf_kind(dtype: str | None) -> tuple[bool, str | None]:
+    """Whether ``dtype`` runs the draft in llama.cpp, and the requantization it asks for.
+
+    >>> _gguf_kind("gguf"), _gguf_kind("gguf-q4_0"), _gguf_kind("bfloat16")
+    ((True, None), (True, 'q4_0'), (False, None))
+    """
+    if dtype == GGUF_DTYPE:
+        return True, None
+    if dtype is not None and dtype.startswith(GGUF_DTYPE + "-"):
+        return True, dtype[len(GGUF_DTYPE) + 1 :]
+    return False, None
 
 
 @dataclass(frozen=True)
@@ -107,10 +122,11 @@ class DraftOptions(SpeculatorOptions):
     )
     dtype: str | None = option(
         None,
-        help="the draft's own numerics (float32, bfloat16, int8-dynamic, int4, ..., or gguf: "
-        "the GGUF file's own quantised weights run by llama.cpp, chains only); it cannot "
-        "change the output, which the target verifies. Default on a CPU: gguf for a chain "
-        "drafted from a GGUF file or model pack where llama-cpp-python is installed (the "
+        help="the draft's own numerics (float32, bfloat16, int8-dynamic, int4, ..., gguf: the "
+        "GGUF file's own quantised weights run by llama.cpp, or gguf-q4_0: the file "
+        "requantized once to Q4_0 by llama.cpp; llama.cpp drafts chains only); it cannot "
+        "change the output, which the target verifies. Default on a CPU: gguf-q4_0 for a "
+        "chain drafted from a GGUF file or model pack where llama-cpp-python is installed (the "
         "fastest draft measured), else int4 (int8-dynamic where int4 cannot pack a layer); "
         "the target's numerics elsewhere and for a float64 target",
     )
@@ -162,7 +178,16 @@ class DraftOptions(SpeculatorOptions):
                 "draft: vocab= needs a separate draft model (a layers:N draft shares the "
                 "target's LM head); drop vocab="
             )
-        if self.dtype == GGUF_DTYPE:
+        in_llamacpp, requant = _gguf_kind(self.dtype)
+        if in_llamacpp:
+            from specdec.target.llamacpp import REQUANT_TYPES
+
+            if requant is not None and requant not in REQUANT_TYPES:
+                raise ConfigError(
+                    f"draft: dtype={self.dtype} is not a llama.cpp draft numerics; use gguf (the "
+                    "file as it is) or "
+                    + ", ".join(f"gguf-{kind}" for kind in sorted(REQUANT_TYPES))
+                )
             if TreeShape.parse(self.tree) is not None:
                 raise ConfigError(
                     "draft: dtype=gguf (llama.cpp) drafts chains only; use tree=chain, or drop "
@@ -786,8 +811,11 @@ def _build(target: LoadedModel, options: DraftOptions) -> DraftModelSpeculator:
             cost_prior=min(1.0, n / layers),
             length=options.length,
         )
-    if options.dtype == GGUF_DTYPE or (options.dtype is None and _gguf_by_default(options, target)):
-        return _build_llamacpp(target, options)
+    in_llamacpp, requant = _gguf_kind(options.dtype)
+    if options.dtype is None and _gguf_by_default(options, target):
+        in_llamacpp, requant = _gguf_kind(GGUF_Q4_0)
+    if in_llamacpp:
+        return _build_llamacpp(target, options, requant)
     draft = _load_draft(spec, options, target)
     check_same_vocabulary(target, draft)
     model = draft.model
@@ -841,10 +869,12 @@ def draft_gguf_path(spec: str) -> Path:
 
 
 def _gguf_by_default(options: DraftOptions, target: LoadedModel) -> bool:
-    """Whether a draft with no ``dtype=`` runs in llama.cpp: a chain drafted from a GGUF file (or
-    a pack) for a CPU target, where llama-cpp-python is installed. On the Qwen2.5-Coder pair on
-    an AVX2 EPYC a drafted token cost 32 ms there against 58 ms in torch's int4 kernels, and
-    the pair ran faster on every prompt measured (docs/2026-12-04-llamacpp-draft.md). Trees need
+    """Whether a draft with no ``dtype=`` runs in llama.cpp (requantized to Q4_0): a chain
+    drafted from a GGUF file (or a pack) for a CPU target, where llama-cpp-python is installed.
+    On the Qwen2.5-Coder pair on an AVX2 EPYC a drafted token cost 32 ms there against 58 ms in
+    torch's int4 kernels, and the pair ran faster on every prompt measured
+    (docs/2026-12-04-llamacpp-draft.md); requantized to Q4_0 the draft decodes 1.8x faster
+    again with the same acceptance (docs/2026-12-05-draft-requant.md). Trees need
     4D masks and stay in torch; a float64 target is an exactness reference and keeps a float64
     draft."""
     from specdec.target import llamacpp
@@ -862,9 +892,11 @@ def _gguf_by_default(options: DraftOptions, target: LoadedModel) -> bool:
     )
 
 
-def _build_llamacpp(target: LoadedModel, options: DraftOptions) -> DraftModelSpeculator:
+def _build_llamacpp(
+    target: LoadedModel, options: DraftOptions, requant: str | None = None
+) -> DraftModelSpeculator:
     from specdec.target import llamacpp
-    from specdec.target.llamacpp import LlamaModel
+    from specdec.target.llamacpp import LlamaModel, requantized
     from specdec.target.loading import gguf_tokenizer
 
     if not llamacpp.available():  # checked first: a model loaded earlier would hide it
@@ -874,16 +906,19 @@ def _build_llamacpp(target: LoadedModel, options: DraftOptions) -> DraftModelSpe
             "draft: dtype=gguf runs the draft on the CPU with llama.cpp; with a target on "
             f"{target.device} drop dtype=gguf (the draft then runs beside it)"
         )
-    gguf = draft_gguf_path(options.model)
+    source = draft_gguf_path(options.model)
+    gguf = source if requant is None else requantized(source, requant)
     model = _LLAMA_MODELS.get(str(gguf))
     if model is None:
         model = LlamaModel(gguf)
         _LLAMA_MODELS[str(gguf)] = model
     assert isinstance(model, LlamaModel)
-    _check_vocabulary(target, gguf_tokenizer(gguf), model.vocab_size, str(gguf))
+    _check_vocabulary(target, gguf_tokenizer(source), model.vocab_size, str(source))
     speculator = DraftModelSpeculator(
         LlamaCppRunner(model),
-        f"draft model {gguf.name} (llama.cpp)",
+        f"draft model {source.name} (llama.cpp"
+        + ("" if requant is None else f", requantized to {requant.upper()}")
+        + ")",
         options.min_confidence,
         max_depth=options.k,
         # memory-bound decoding reads every weight once: the file's bytes against the target's
