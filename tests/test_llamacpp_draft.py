@@ -161,3 +161,21 @@ def test_a_gguf_draft_defaults_to_the_requantized_file_on_a_cpu(smol_dir):
         target, speculator=f"draft:model={default_gguf_path()},dtype=gguf"
     )
     assert as_is.speculator.description.endswith("(llama.cpp)")
+
+
+@needs_llama
+def test_a_failed_requantization_falls_back_only_for_the_default(smol_dir, monkeypatch):
+    """A requantization the user did not ask for never stops the draft: it runs the file as it
+    is. One asked for with dtype=gguf-q4_0 fails with the reason."""
+
+    def no_room(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(llamacpp, "requantized", no_room)
+    target = load_model(smol_dir)
+    default = SpeculativeEngine.from_pretrained(target, speculator=f"draft:{default_gguf_path()}")
+    assert default.speculator.description.endswith("(llama.cpp)")
+    with pytest.raises(OSError, match="No space left"):
+        SpeculativeEngine.from_pretrained(
+            target, speculator=f"draft:model={default_gguf_path()},dtype=gguf-q4_0"
+        )

@@ -24,6 +24,7 @@ depends on timing.
 from __future__ import annotations
 
 import copy
+import logging
 import re
 import time
 import weakref
@@ -46,6 +47,8 @@ from specdec.target.llamacpp import LlamaCppRunner
 from specdec.target.masks import attention_masks
 from specdec.tree import DraftTree
 from specdec.verify import probs_from_logits, sample
+
+log = logging.getLogger(__name__)
 
 MAX_TREE_NODES = 32  # drafted nodes of one tree, at most
 _PRIOR = CostModel.prior()
@@ -190,8 +193,8 @@ class DraftOptions(SpeculatorOptions):
                 )
             if TreeShape.parse(self.tree) is not None:
                 raise ConfigError(
-                    "draft: dtype=gguf (llama.cpp) drafts chains only; use tree=chain, or drop "
-                    "dtype=gguf to draft trees in torch"
+                    f"draft: dtype={self.dtype} (llama.cpp) drafts chains only; use tree=chain, "
+                    "or drop dtype= to draft trees in torch"
                 )
             if self.vocab:
                 raise ConfigError(
@@ -812,10 +815,11 @@ def _build(target: LoadedModel, options: DraftOptions) -> DraftModelSpeculator:
             length=options.length,
         )
     in_llamacpp, requant = _gguf_kind(options.dtype)
-    if options.dtype is None and _gguf_by_default(options, target):
+    by_default = options.dtype is None and _gguf_by_default(options, target)
+    if by_default:
         in_llamacpp, requant = _gguf_kind(GGUF_Q4_0)
     if in_llamacpp:
-        return _build_llamacpp(target, options, requant)
+        return _build_llamacpp(target, options, requant, fall_back=by_default)
     draft = _load_draft(spec, options, target)
     check_same_vocabulary(target, draft)
     model = draft.model
@@ -893,8 +897,14 @@ def _gguf_by_default(options: DraftOptions, target: LoadedModel) -> bool:
 
 
 def _build_llamacpp(
-    target: LoadedModel, options: DraftOptions, requant: str | None = None
+    target: LoadedModel,
+    options: DraftOptions,
+    requant: str | None = None,
+    fall_back: bool = False,
 ) -> DraftModelSpeculator:
+    """A chain drafted by llama.cpp from the draft's GGUF file, requantized to ``requant`` when
+    given; with ``fall_back`` (the default numerics, which the user did not ask for) a
+    requantization that fails (a full disk, an unwritable cache) runs the file as it is."""
     from specdec.target import llamacpp
     from specdec.target.llamacpp import LlamaModel, requantized
     from specdec.target.loading import gguf_tokenizer
@@ -907,7 +917,15 @@ def _build_llamacpp(
             f"{target.device} drop dtype=gguf (the draft then runs beside it)"
         )
     source = draft_gguf_path(options.model)
-    gguf = source if requant is None else requantized(source, requant)
+    gguf = source
+    if requant is not None:
+        try:
+            gguf = requantized(source, requant)
+        except (OSError, ConfigError) as e:
+            if not fall_back:
+                raise
+            log.warning("drafting from %s as it is: requantizing it failed (%s)", source.name, e)
+            requant = None
     model = _LLAMA_MODELS.get(str(gguf))
     if model is None:
         model = LlamaModel(gguf)

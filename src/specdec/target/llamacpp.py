@@ -343,7 +343,13 @@ def requantized(gguf: str | Path, kind: str = "q4_0", cache_dir: Path | None = N
                 _silence(lib)
                 lib.llama_backend_init()
                 LlamaModel._backend_ready = True
-        out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(
+                f"cannot write the requantized draft to {out.parent} ({e}); make it writable "
+                "(XDG_CACHE_HOME moves it) or use dtype=gguf to run the file as it is"
+            ) from e
         tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
         params = lib.llama_model_quantize_default_params()
         params.ftype = REQUANT_TYPES[kind]
@@ -364,6 +370,11 @@ def requantized(gguf: str | Path, kind: str = "q4_0", cache_dir: Path | None = N
                     "use dtype=gguf to run the file as it is"
                 )
             os.replace(tmp, out)
+        except OSError as e:
+            raise ConfigError(
+                f"cannot write the requantized draft to {out.parent} ({e}); free space there "
+                "(XDG_CACHE_HOME moves it) or use dtype=gguf to run the file as it is"
+            ) from e
         finally:
             tmp.unlink(missing_ok=True)
     return out
