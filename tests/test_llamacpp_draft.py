@@ -31,6 +31,17 @@ PROMPTS = [
 ]
 
 
+def _accepted_where_greedy_equals_plain(engine, plain) -> int:
+    """Asserts every prompt's greedy output equals plain decoding; returns the tokens accepted."""
+    accepted = 0
+    for prompt in PROMPTS:
+        expected = plain.generate(prompt, chat=True, max_new_tokens=32, speculate=False)
+        got = engine.generate(prompt, chat=True, max_new_tokens=32)
+        assert got.token_ids == expected.token_ids, prompt
+        accepted += got.stats.accepted_tokens
+    return accepted
+
+
 @pytest.fixture(scope="module")
 def smol64(smol_dir):
     return load_model(smol_dir, dtype="float64")
@@ -54,12 +65,7 @@ def test_greedy_output_equals_plain_decoding(smol64):
     plain = SpeculativeEngine.from_pretrained(smol64, speculator="none")
     spec = f"draft:model={default_gguf_path()},dtype=gguf,k=6"
     engine = SpeculativeEngine.from_pretrained(smol64, speculator=spec)
-    accepted = 0
-    for prompt in PROMPTS:
-        expected = plain.generate(prompt, chat=True, max_new_tokens=32, speculate=False)
-        got = engine.generate(prompt, chat=True, max_new_tokens=32)
-        assert got.token_ids == expected.token_ids, prompt
-        accepted += got.stats.accepted_tokens
+    accepted = _accepted_where_greedy_equals_plain(engine, plain)
     # the Q4_1 copy of the target agrees with it most of the time: the draft really drafted
     assert accepted >= 24
 
@@ -79,12 +85,7 @@ def test_a_requantized_draft_is_made_once_and_stays_lossless(smol64):
     mtime = made.stat().st_mtime_ns
     SpeculativeEngine.from_pretrained(smol64, speculator=spec)
     assert made.stat().st_mtime_ns == mtime and not list(made.parent.glob("*.tmp"))
-    accepted = 0
-    for prompt in PROMPTS:
-        expected = plain.generate(prompt, chat=True, max_new_tokens=32, speculate=False)
-        got = engine.generate(prompt, chat=True, max_new_tokens=32)
-        assert got.token_ids == expected.token_ids, prompt
-        accepted += got.stats.accepted_tokens
+    accepted = _accepted_where_greedy_equals_plain(engine, plain)
     assert accepted >= 16  # the twice-rounded copy still agrees with the target often
 
 

@@ -90,22 +90,29 @@ class _Cache:
             del self.tokens[length:]
 
 
+_BACKEND_LOCK = threading.Lock()
+_backend_ready = False
+
+
+def _backend(lib) -> None:  # noqa: ANN001 - the ctypes module
+    """llama.cpp's backend, initialised (and its log silenced) once per process."""
+    global _backend_ready
+    with _BACKEND_LOCK:
+        if not _backend_ready:
+            _silence(lib)
+            lib.llama_backend_init()
+            _backend_ready = True
+
+
 class LlamaModel:
     """One GGUF file loaded by llama.cpp; every request's :class:`LlamaCppRunner` shares it."""
-
-    _init_lock = threading.Lock()
-    _backend_ready = False
 
     def __init__(self, gguf: str | Path) -> None:
         lib = _lib()
         path = Path(gguf)
         if not path.is_file():
             raise ModelNotFoundError(f"GGUF file {str(path)!r} does not exist")
-        with LlamaModel._init_lock:
-            if not LlamaModel._backend_ready:
-                _silence(lib)
-                lib.llama_backend_init()
-                LlamaModel._backend_ready = True
+        _backend(lib)
         params = lib.llama_model_default_params()
         params.n_gpu_layers = 0
         self._lib = lib
@@ -298,8 +305,9 @@ class LlamaCppRunner:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-# what ``draft:...,dtype=gguf-KIND`` requantizes a draft to: llama.cpp's file type ids
-REQUANT_TYPES = {"q4_0": 2}
+# what ``draft:...,dtype=gguf-KIND`` requantizes a draft to: (llama_ftype of the file,
+# ggml_type of its output head)
+REQUANT_TYPES = {"q4_0": (2, 2)}
 _REQUANT_LOCK = threading.Lock()
 
 
@@ -338,11 +346,7 @@ def requantized(gguf: str | Path, kind: str = "q4_0", cache_dir: Path | None = N
         if out.is_file():
             return out
         lib = _lib()
-        with LlamaModel._init_lock:
-            if not LlamaModel._backend_ready:
-                _silence(lib)
-                lib.llama_backend_init()
-                LlamaModel._backend_ready = True
+        _backend(lib)
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -352,8 +356,7 @@ def requantized(gguf: str | Path, kind: str = "q4_0", cache_dir: Path | None = N
             ) from e
         tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
         params = lib.llama_model_quantize_default_params()
-        params.ftype = REQUANT_TYPES[kind]
-        params.output_tensor_type = _GGML_TYPES[kind]
+        params.ftype, params.output_tensor_type = REQUANT_TYPES[kind]
         params.allow_requantize = True
         params.nthread = max(1, torch.get_num_threads())
         log.warning(
@@ -378,9 +381,6 @@ def requantized(gguf: str | Path, kind: str = "q4_0", cache_dir: Path | None = N
         finally:
             tmp.unlink(missing_ok=True)
     return out
-
-
-_GGML_TYPES = {"q4_0": 2}  # ggml_type of the output head for each requantization
 
 
 _MODELS: dict[Path, LlamaModel] = {}
