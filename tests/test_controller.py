@@ -375,6 +375,35 @@ def test_cost_model_uses_calibrated_ratios_and_refines_online():
     assert frozen.cost(8) == pytest.approx(1.3) and frozen.cost(8, tree=True) == 1.6
 
 
+def test_calibration_is_kept_per_thread_count(tiny64, tmp_path, monkeypatch):
+    """A curve measured on 2 threads is not this run's on 1 (verification is bound by
+    arithmetic, which threads divide; one step by memory, which they do not)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        cal = measure_verify_costs(tiny64, [2], repeats=1)
+        assert cal.threads == 2
+        two = save_cost_calibration(tiny64, cal)
+        assert load_cost_calibration(tiny64) is not None
+        torch.set_num_threads(1)
+        assert cost_calibration_path(tiny64) != two
+        assert load_cost_calibration(tiny64) is None  # measure again for 1 thread
+        # a file saved before threads were part of the key is used only on its own count
+        legacy = tmp_path / "legacy.json"
+        two.rename(legacy)
+        from specdec.control.calibration import _legacy_path
+
+        _legacy_path(tiny64).parent.mkdir(parents=True, exist_ok=True)
+        legacy.rename(_legacy_path(tiny64))
+        assert load_cost_calibration(tiny64) is None
+        torch.set_num_threads(2)
+        old = load_cost_calibration(tiny64)
+        assert old is not None and old.threads == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_calibration_measures_saves_and_primes_the_engine(tiny64, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert load_cost_calibration(tiny64) is None

@@ -137,8 +137,9 @@ def calibrate_cost(
     dtype: DtypeOpt = "float32",
 ) -> None:
     """Measure the target's verification cost T(n), n = 1..64, for chains and trees, and save
-    it for this model, dtype and device. The adaptive draft length and `--speculator auto` start
-    from these ratios T(n)/T(1) and keep refining them from the steps they time."""
+    it for this model, dtype, device and CPU thread count. The adaptive draft length and
+    `--speculator auto` start from these ratios T(n)/T(1) and keep refining them from the steps
+    they time."""
     from rich.table import Table
     from tqdm import tqdm
 

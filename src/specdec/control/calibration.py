@@ -5,9 +5,9 @@ plain decoding step, and that ratio is a property of the hardware, the numerics 
 (on this CPU's fast fp32 path a 16-token chain costs ~1.6 decode steps; on an accelerator it is
 nearly free). ``specdec calibrate cost`` measures it for chains (the model's causal fast path)
 and for trees (4D mask, explicit positions), n = 1 .. 64, over a cache of a typical prompt's
-length, and saves it under the specdec cache keyed by model identity, dtype and device. The
-engine's :class:`~specdec.control.budget.CostModel` then starts from these ratios instead of a
-generic slope and keeps refining them online from the steps it times.
+length, and saves it under the specdec cache keyed by model identity, dtype, device and (on a
+CPU) thread count. The engine's :class:`~specdec.control.budget.CostModel` then starts from
+these ratios instead of a generic slope and keeps refining them online from the steps it times.
 """
 
 from __future__ import annotations
@@ -103,8 +103,23 @@ def _device(loaded: LoadedModel) -> str:
     return str(loaded.device)
 
 
-def cost_calibration_path(loaded: LoadedModel) -> Path:
-    """Per model identity, dtype and device: each changes T(n)/T(1)."""
+def cost_calibration_path(loaded: LoadedModel, threads: int | None = None) -> Path:
+    """Per model identity, dtype, device and, on a CPU, thread count (``threads``, default
+    torch's current one): each changes T(n)/T(1). Threads matter because one decoding step is
+    bound by memory bandwidth, which more threads barely raise, while verifying n tokens is
+    bound by arithmetic, which they divide: a curve measured on 2 threads prices drafts too
+    cheaply on 1."""
+    from specdec.target.loading import calibration_file
+
+    device = _device(loaded)
+    if not device.startswith("cpu"):
+        return calibration_file(loaded, "cost", loaded.dtype_name, device)
+    n = torch.get_num_threads() if threads is None else threads
+    return calibration_file(loaded, "cost", loaded.dtype_name, device, f"threads={n}")
+
+
+def _legacy_path(loaded: LoadedModel) -> Path:
+    """Where calibrations were saved before the thread count was part of the key."""
     from specdec.target.loading import calibration_file
 
     return calibration_file(loaded, "cost", loaded.dtype_name, _device(loaded))
@@ -125,13 +140,19 @@ def load_cost_calibration(loaded: LoadedModel) -> CostCalibration | None:
     """The saved calibration for ``loaded``, or ``None`` (an unreadable file is ignored with a
     warning: the engine then falls back to its generic prior, which is slower, never wrong)."""
     path = cost_calibration_path(loaded)
+    legacy = not path.is_file() and _device(loaded).startswith("cpu")
+    if legacy:
+        path = _legacy_path(loaded)
     if not path.is_file():
         return None
     try:
-        return CostCalibration.from_json(json.loads(path.read_text()))
+        calibration = CostCalibration.from_json(json.loads(path.read_text()))
     except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:
         log.warning("ignoring unreadable cost calibration %s (%s); rerun it", path, e)
         return None
+    if legacy and calibration.threads != torch.get_num_threads():
+        return None  # measured on another thread count: not this machine's curve
+    return calibration
 
 
 def _probe_tree(root: int, n: int, vocab: int) -> DraftTree:
