@@ -380,10 +380,34 @@ def test_a_prompt_chunk_in_the_pass_does_not_make_drafting_look_cheap():
         budget = BatchBudget(4, costs, overhead=1.0)
         assert budget.choose(middling, prompt=prompt) == [0] * 32, prompt
     sure = [Candidate([0.98] * 4, 4, nodes=4, depth=4)] + middling[1:]
-    for prompt in (0, 64):
-        assert BatchBudget(4, costs, overhead=1.0).choose(sure, prompt=prompt)[0] == 4
+    for prompt in (0, 64):  # (without the margin such a pass now also asks: the next test)
+        budget = BatchBudget(4, costs, overhead=1.0, chunk_margin=1.0)
+        assert budget.choose(sure, prompt=prompt)[0] == 4
     # folding the chunk into the other rows' price (the old rule) drafts the middling nodes
     assert any(BatchBudget(4, costs, overhead=1.0).choose(middling, others=[64]))
+
+
+def test_drafts_in_a_prompt_carrying_pass_must_pay_twice_over():
+    """That pass is the batch's slowest step, and its drafts lengthen the worst gap between
+    tokens: a node that pays only thinly in a full batch is drafted in a plain pass but not in
+    one carrying a chunk, while a small batch's good drafts (and a sure one) still are."""
+    from specdec.control.batch import BatchBudget, BatchCosts, Candidate
+
+    costs = BatchCosts()
+    for rows in (8, 32, 128):
+        costs.observe(rows, 0.035 + 0.0037 * rows)  # this machine's bundled model, roughly
+    thin = [Candidate([0.75, 0.0, 0.0, 0.0], 4, nodes=1, depth=1)] * 16  # 0.75 per 3.7 ms row
+    assert all(BatchBudget(4, costs, overhead=1.0).choose(thin))
+    assert not any(BatchBudget(4, costs, overhead=1.0).choose(thin, prompt=64))
+    assert all(BatchBudget(4, costs, overhead=1.0, chunk_margin=1.0).choose(thin, prompt=64))
+    few = [Candidate([0.8] * 4, 4, nodes=4, depth=4)] * 3
+    assert all(BatchBudget(4, costs, overhead=1.0).choose(few, prompt=64))
+    # a probe (one node for every sequence) never lands in such a pass: it waits for the next
+    budget = BatchBudget(4, costs, overhead=1.0)
+    hopeless = [Candidate([0.05] * 4, 4, nodes=4, depth=4)] * 16
+    for _ in range(3 * budget.probe_every):
+        assert not any(budget.choose(hopeless, prompt=64))
+    assert budget.choose(hopeless) == [1] * 16
 
 
 def test_prompt_chunks_riding_verification_passes_keep_the_invariant(tiny64):
