@@ -185,9 +185,11 @@ class BatchBudget:
         others: Sequence[int],
         prompt: int = 0,
         prompt_share: float = 0.0,
+        plain: float = 0.0,
     ) -> float:
         """Committed tokens per second of one allocation. ``prompt`` tokens ride the pass;
-        ``prompt_share`` is their own cost, left out of the price (see :meth:`choose`)."""
+        ``prompt_share`` is their own cost, left out of the price, and ``plain`` is T(the
+        pass's rows without drafts), from which drafts' time is scaled (see :meth:`choose`)."""
         takes = [s.takes(k) for s, k in zip(seqs, lengths, strict=True)]
         if self.packed:
             rows = sum(others) + sum(1 + nodes for nodes, _ in takes)
@@ -196,7 +198,6 @@ class BatchBudget:
             rows = (len(seqs) + len(others)) * width
         seconds = self.costs.cost(rows + prompt) - prompt_share
         if prompt and self.packed and any(lengths):
-            plain = self.costs.cost(sum(others) + len(seqs))
             seconds = plain + self.chunk_margin * (seconds - plain)
         seconds *= self.overhead if any(lengths) else 1.0
         drafting = sum(nodes for (nodes, _), s in zip(takes, seqs, strict=True) if s.nodes is None)
@@ -262,12 +263,12 @@ class BatchBudget:
             return []
         tops = [min(self.num_draft_tokens, s.cap if s.nodes is None else s.nodes) for s in seqs]
         best, best_rate = [0] * len(seqs), -1.0
-        share = 0.0  # the chunk's own cost, the same for every allocation
+        share = plain = 0.0  # the chunk's own cost and T(plain rows), the same for every allocation
         if prompt:
-            plain = sum(others) + len(seqs)  # prompts ride packed passes only
-            share = self.costs.cost(plain + prompt) - self.costs.cost(plain)
+            plain = self.costs.cost(sum(others) + len(seqs))  # prompts ride packed passes only
+            share = self.costs.cost(sum(others) + len(seqs) + prompt) - plain
         for lengths in self._allocations(seqs, tops):
-            rate = self._rate(seqs, lengths, others, prompt, share)
+            rate = self._rate(seqs, lengths, others, prompt, share, plain)
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = lengths, rate
         probed, self._probed = self._probed, False

@@ -103,26 +103,25 @@ def _device(loaded: LoadedModel) -> str:
     return str(loaded.device)
 
 
-def cost_calibration_path(loaded: LoadedModel, threads: int | None = None) -> Path:
-    """Per model identity, dtype, device and, on a CPU, thread count (``threads``, default
-    torch's current one): each changes T(n)/T(1). Threads matter because one decoding step is
-    bound by memory bandwidth, which more threads barely raise, while verifying n tokens is
-    bound by arithmetic, which they divide: a curve measured on 2 threads prices drafts too
-    cheaply on 1."""
+def _on_cpu(loaded: LoadedModel) -> bool:
+    return _device(loaded).startswith("cpu")
+
+
+def cost_calibration_path(loaded: LoadedModel) -> Path:
+    """Per model identity, dtype, device and, on a CPU, torch's thread count: each changes
+    T(n)/T(1). Threads matter because one decoding step is bound by memory bandwidth, which
+    more threads barely raise, while verifying n tokens is bound by arithmetic, which they
+    divide: a curve measured on 2 threads prices drafts too cheaply on 1."""
+    threads = [f"threads={torch.get_num_threads()}"] if _on_cpu(loaded) else []
+    return _legacy_path(loaded, *threads)
+
+
+def _legacy_path(loaded: LoadedModel, *more: str) -> Path:
+    """Keyed by dtype and device only (and ``more``): where calibrations were saved before the
+    thread count was part of the key."""
     from specdec.target.loading import calibration_file
 
-    device = _device(loaded)
-    if not device.startswith("cpu"):
-        return calibration_file(loaded, "cost", loaded.dtype_name, device)
-    n = torch.get_num_threads() if threads is None else threads
-    return calibration_file(loaded, "cost", loaded.dtype_name, device, f"threads={n}")
-
-
-def _legacy_path(loaded: LoadedModel) -> Path:
-    """Where calibrations were saved before the thread count was part of the key."""
-    from specdec.target.loading import calibration_file
-
-    return calibration_file(loaded, "cost", loaded.dtype_name, _device(loaded))
+    return calibration_file(loaded, "cost", loaded.dtype_name, _device(loaded), *more)
 
 
 def save_cost_calibration(loaded: LoadedModel, calibration: CostCalibration) -> Path:
@@ -140,7 +139,7 @@ def load_cost_calibration(loaded: LoadedModel) -> CostCalibration | None:
     """The saved calibration for ``loaded``, or ``None`` (an unreadable file is ignored with a
     warning: the engine then falls back to its generic prior, which is slower, never wrong)."""
     path = cost_calibration_path(loaded)
-    legacy = not path.is_file() and _device(loaded).startswith("cpu")
+    legacy = not path.is_file() and _on_cpu(loaded)
     if legacy:
         path = _legacy_path(loaded)
     if not path.is_file():
