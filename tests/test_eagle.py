@@ -261,6 +261,51 @@ def test_training_raises_simulated_tau(tiny, data_dir, trained):
     assert result.history and result.history[-1]["step"] == cfg.max_steps
 
 
+def _mapped_files(t: torch.Tensor) -> set[str]:
+    """The files whose memory maps hold ``t``'s data (from /proc/self/maps)."""
+    ptr, found = t.data_ptr(), set()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        parts = line.split(maxsplit=5)
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        if lo <= ptr < hi and len(parts) == 6:
+            found.add(parts[5])
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="reads /proc/self/maps")
+def test_feature_cache_is_memory_mapped_exact_and_reused(tiny, data_dir, tmp_path, monkeypatch):
+    """The cache hands back views of memory-mapped files (so all of ShareGPT's 12.7 GB of
+    features need no resident memory), equal bit for bit to a direct extraction; a second run
+    reads them without a target pass and without rewriting the files."""
+    records = load_data(data_dir, tiny).records
+    for variant in ("eagle1", "eagle3"):  # (their default feature layers differ: two caches)
+        cfg = _train_config(variant)
+        direct = extract_sequence_features(tiny, records, cfg)
+        cache = tmp_path / f"features-{variant}"
+        cached = extract_sequence_features(tiny, records, cfg, cache)
+        for got in (cached, extract_sequence_features(tiny, records, cfg, cache)):
+            for name in ("tokens", "features", "final", "top_ids", "top_logp"):
+                want_rows, got_rows = getattr(direct, name), getattr(got, name)
+                assert len(got_rows) == len(want_rows) == len(records)
+                for a, b in zip(want_rows, got_rows, strict=True):
+                    assert a.dtype == b.dtype and torch.equal(a, b), name
+            assert got.first_label == direct.first_label
+        column = "final" if variant == "eagle1" else "aux"
+        assert _mapped_files(cached.features[1]) == {str(cache / f"{column}.bin")}
+    files = sorted(cache.iterdir())
+    assert {p.name for p in files} >= {"index.json", "aux.bin", "final.bin", "tokens.bin"}
+    before = {p.name: (p.stat().st_ino, p.stat().st_size, p.stat().st_mtime_ns) for p in files}
+
+    def no_target_pass(*args, **kwargs):
+        raise AssertionError("the target ran although every answer is cached")
+
+    monkeypatch.setattr(tiny.model, "forward", no_target_pass)
+    again = extract_sequence_features(tiny, records, _train_config("eagle3"), cache)
+    assert torch.equal(again.features[2], cached.features[2])
+    after = {p.name: (p.stat().st_ino, p.stat().st_size, p.stat().st_mtime_ns) for p in files}
+    assert after == before
+
+
 def test_trained_drafter_is_lossless_greedy_and_accepts(tiny, trained):
     _, out, _ = trained
     engine = SpeculativeEngine.from_pretrained(tiny, speculator=options_for("eagle", dir=str(out)))

@@ -427,7 +427,14 @@ def test_feature_cache_extracts_only_answers_it_does_not_hold(tiny, data_dir: Pa
     """Data grows between trainings (``data generate`` resumes with a larger --limit); the
     cache keys every answer, so only new answers cost a target pass, and what comes back is
     exactly what a fresh extraction gives."""
-    from specdec.training.feature_cache import features_per_record
+    from specdec.training.feature_cache import (
+        PER_RECORD_FORMAT,
+        features_per_record,
+        fingerprint,
+        record_digest,
+        save_cached,
+        store_dir,
+    )
     from specdec.training.medusa import extract_features
 
     records = load_data(data_dir, tiny).records
@@ -467,10 +474,32 @@ def test_feature_cache_extracts_only_answers_it_does_not_hold(tiny, data_dir: Pa
     calls.clear()
     features_per_record(cache, records, {"m": 1}, "other settings", extract)
     assert len(calls) == len(records)  # other settings never reuse features
-    cache.write_bytes(b"not safetensors")
+    (store_dir(cache) / "index.json").write_bytes(b"not an index")
     calls.clear()
     features_per_record(cache, records, {"m": 1}, "s", extract)
     assert len(calls) == len(records)  # a broken cache is rebuilt
+    with (store_dir(cache) / "x.bin").open("r+b") as f:
+        f.truncate(8)  # a data file shorter than its index: rebuilt too
+    calls.clear()
+    features_per_record(cache, records, {"m": 1}, "s", extract)
+    assert len(calls) == len(records)
+
+    # the single safetensors file an earlier version wrote is imported, not extracted again
+    legacy = tmp_path / "old.safetensors"
+    rows = [extract(r) for r in records]
+    kept = [(record_digest(r), x) for r, x in zip(records, rows, strict=True) if x is not None]
+    tensors = {}
+    for name in ("n", "x"):
+        tensors[name] = torch.cat([x[name] for _, x in kept])
+        tensors[f"rows.{name}"] = torch.tensor([len(x[name]) for _, x in kept])
+    meta = {"format": PER_RECORD_FORMAT, "kept": json.dumps([d for d, _ in kept]),
+            "skipped": json.dumps([record_digest(records[0])])}  # fmt: skip
+    save_cached(legacy, fingerprint((), {"m": 1}, "s"), tensors, meta)
+    calls.clear()
+    imported = features_per_record(legacy, records, {"m": 1}, "s", extract)
+    assert calls == [] and imported[0] is None and not legacy.exists()
+    for a, b in zip(rows[1:], imported[1:], strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in ("x", "n"))
 
     real = tmp_path / "real.safetensors"
     extract_features(tiny, records[:2], 3, real)

@@ -6,7 +6,8 @@ reads (the final normed state for EAGLE-1; the low/middle/high layer outputs for
 the target's top-``k`` next-token log-probabilities there (its own distribution, the soft
 label). Long prompts are cut to their last ``context`` tokens: the drafter needs recent context,
 not the whole prompt. Features are cached next to the checkpoint (float16), keyed by data,
-target and settings.
+target and settings, in memory-mapped files (``feature_cache``), so training on any amount of data
+keeps only the batches in memory.
 
 Training-time test (EAGLE-3): the drafter is unrolled on its own outputs for ``ttt_steps``
 steps. Step 0 reads the target's features; step j reads step j-1's output states at the same
@@ -52,7 +53,7 @@ from specdec.target.loading import DEFAULT_GGUF_NAME, DEFAULT_MODEL_HUB_ID, Load
 from specdec.target.numerics import dense_weight
 from specdec.training.checkpoint import CheckpointStore, check_schedule, run_identity
 from specdec.training.data import Record, SelfDistilledData
-from specdec.training.feature_cache import features_per_record
+from specdec.training.feature_cache import features_per_record, release_pages
 from specdec.training.loop import Evaluation, StepOutput, TrainTask, train_epochs
 from specdec.training.medusa import draft_vocabulary
 from specdec.training.precision import autocast, check_precision
@@ -208,27 +209,16 @@ def extract_sequence_features(
     ]
     if not rows:
         raise DataError("no sequence has a response long enough to learn from")
-    packed = {k: torch.cat([r[k] for r in rows]) for k in _PACKED}
-    return _unpack(packed, eagle1=config.variant == "eagle1")
-
-
-_PACKED = ("tokens", "aux", "final", "top_ids", "top_logp", "lengths", "first_label")
-
-
-def _unpack(t: dict[str, torch.Tensor], eagle1: bool) -> SequenceFeatures:
-    sizes = t["lengths"].tolist()
-
-    def split(x: torch.Tensor) -> list[torch.Tensor]:
-        return list(torch.split(x, sizes))
-
-    final = split(t["final"])
+    # per-answer views, not one concatenated copy: with a cache they map its files, so the
+    # features of every answer need no resident memory until a batch reads them
+    final = [r["final"] for r in rows]
     return SequenceFeatures(
-        split(t["tokens"]),
-        final if eagle1 else split(t["aux"]),
+        [r["tokens"] for r in rows],
+        final if config.variant == "eagle1" else [r["aux"] for r in rows],
         final,
-        split(t["top_ids"]),
-        split(t["top_logp"]),
-        t["first_label"].tolist(),
+        [r["top_ids"] for r in rows],
+        [r["top_logp"] for r in rows],
+        [int(r["first_label"][0]) for r in rows],
     )
 
 
@@ -266,6 +256,7 @@ def collate(
         batch.top_ids[row, :n] = feats.top_ids[i]
         batch.top_p[row, :n] = feats.top_logp[i].float().exp()
         batch.label_ok[row, feats.first_label[i] : n - 1] = True
+    release_pages()  # the rows are copied: the cache's pages need not stay resident
     return Batch(*(getattr(batch, f).to(device) for f in Batch.__dataclass_fields__))
 
 
@@ -484,8 +475,9 @@ def train_eagle(
     """Train an EAGLE drafter for ``loaded`` on ``data``; save it in the speculators format.
 
     ``held_out_records``: see :meth:`SelfDistilledData.split_for_training`.  ``feature_cache``:
-    one features file for runs that share data (default: next to the checkpoint); it keeps
-    every answer it has seen, so the runs of a learning curve pay for one extraction."""
+    one features cache for runs that share data (default: ``features-train`` and
+    ``features-heldout`` next to the checkpoint); it keeps every answer it has seen, so the runs
+    of a learning curve pay for one extraction."""
     from accelerate import Accelerator
 
     from specdec.heads.eagle_io import save_eagle
@@ -501,14 +493,14 @@ def train_eagle(
     t0 = time.perf_counter()
     with accel.main_process_first():
         train = extract_sequence_features(
-            loaded, train_recs, config, shared or out / "features-train.safetensors", progress
+            loaded, train_recs, config, shared or out / "features-train", progress
         )
         held = (
             extract_sequence_features(
                 loaded,
                 eval_recs,
                 config,
-                shared or out / "features-heldout.safetensors",
+                shared or out / "features-heldout",
                 progress,
                 "held-out features",
             )

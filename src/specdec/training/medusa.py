@@ -298,14 +298,14 @@ def train_medusa(
     t0 = time.perf_counter()
     shared = Path(feature_cache) if feature_cache is not None else None
     train = extract_features(
-        loaded, train_recs, config.num_heads, shared or out / "features-train.safetensors", progress
+        loaded, train_recs, config.num_heads, shared or out / "features-train", progress
     )
     held = (
         extract_features(
             loaded,
             eval_recs,
             config.num_heads,
-            shared or out / "features-heldout.safetensors",
+            shared or out / "features-heldout",
             progress,
             "held-out features",
         )
