@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from specdec.cli.main import app
 from specdec.errors import DataError
 from specdec.target import load_model
-from specdec.training.data import MANIFEST, generate_data, load_data
+from specdec.training.data import MANIFEST, generate_data, load_data, load_data_dirs
 from specdec.training.shards import (
     ShardRecord,
     encode_shard,
@@ -289,6 +289,102 @@ def test_later_turns_carry_the_targets_own_answers(
     assert m["records"] == 5 and m["eval_filter"]["overlap_dropped_later_turns"] == 1
 
 
+class _Bar:
+    """A progress factory that records what the generation reported."""
+
+    made: list[_Bar] = []
+
+    def __init__(self, total: int, initial: int = 0, **_: object) -> None:
+        self.total, self.n = total, initial
+        _Bar.made.append(self)
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+
+    def close(self) -> None: ...
+
+
+def _records(out: Path, manifest: dict) -> list[ShardRecord]:
+    return [r for s in manifest["shards"] for r in read_shard(out / s["file"], s["sha256"])]
+
+
+def test_later_turns_take_the_stored_first_turns_as_history(
+    tiny, tmp_path: Path, sharegpt: Path, eval_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``history_from`` the first turns already stored (data/sharegpt-smol) are not
+    answered again: only later turns are generated, into their own directory, and they are
+    exactly the answers a run over every turn gives; training reads both directories."""
+    import specdec.training.shards as shards
+
+    first = tmp_path / "turn1"
+    m1 = _gen(tiny, first, sharegpt, eval_dir, limit=5)
+    everything = _gen(tiny, tmp_path / "all", sharegpt, eval_dir, limit=5, turns=3)
+    asked: list[list[int]] = []
+    real = shards.generate_batch
+
+    def counted(loaded, prompts, manifest, seed):
+        asked.extend(prompts)
+        return real(loaded, prompts, manifest, seed)
+
+    monkeypatch.setattr(shards, "generate_batch", counted)
+    later_dir = tmp_path / "turn23"
+    _Bar.made.clear()
+    later = _gen(
+        tiny, later_dir, sharegpt, eval_dir, limit=5, turns=3, history_from=first, progress=_Bar
+    )
+    want = [r for r in _records(tmp_path / "all", everything) if r.turn > 0]
+    got = _records(later_dir, later)
+    assert [(r.source_index, r.turn) for r in got] == [(0, 1), (0, 2), (4, 1)]
+    assert got == want  # the same prompts (history included) and the same answers
+    assert sorted(map(tuple, asked)) == sorted(tuple(r.tokens[: r.prompt_len]) for r in want)
+    assert _Bar.made[0].total == _Bar.made[0].n == 3  # the bar counts the new answers only
+    assert later["records"] == 3 and later["generation"]["first_turn"] == 1
+    assert later["history"]["turns"] == 1 and later["shards"][1]["records"] == 0
+    assert later["eval_filter"]["overlap_dropped_later_turns"] == 1  # the filter still applies
+    asked.clear()
+    again = _gen(tiny, later_dir, sharegpt, eval_dir, limit=5, turns=3, history_from=first)
+    assert again["shards"] == later["shards"] and asked == []  # resumed: nothing to do
+    with pytest.raises(DataError, match="other settings"):  # a plain run there is refused
+        _gen(tiny, later_dir, sharegpt, eval_dir, limit=5, turns=3)
+
+    both = load_data_dirs([first, later_dir], tiny)
+    assert both.records == load_data(first).records + load_data(later_dir).records
+    assert sorted(both.records, key=lambda r: r.tokens) == sorted(
+        load_data(tmp_path / "all").records, key=lambda r: r.tokens
+    )
+    assert both.manifest.records == m1["records"] + 3
+    assert load_data_dirs([first]).manifest == load_data(first).manifest  # one dir: unchanged
+
+
+def test_history_from_refuses_what_would_not_be_the_runs_own_history(
+    tiny, tmp_path: Path, sharegpt: Path, eval_dir: Path
+) -> None:
+    first = tmp_path / "turn1"
+    _gen(tiny, first, sharegpt, eval_dir, limit=3)
+    out = tmp_path / "later"
+    with pytest.raises(DataError, match="max_new_tokens"):
+        _gen(tiny, out, sharegpt, eval_dir, turns=2, history_from=first, max_new_tokens=7)
+    with pytest.raises(DataError, match="--turns must be larger"):
+        _gen(tiny, out, sharegpt, eval_dir, limit=3, history_from=first)
+    with pytest.raises(DataError, match="first 3 conversations only.*--limit 3"):
+        _gen(tiny, out, sharegpt, eval_dir, limit=5, turns=2, history_from=first)
+    with pytest.raises(DataError, match="another directory than --out"):
+        _gen(tiny, first, sharegpt, eval_dir, limit=3, turns=2, history_from=first)
+    with pytest.raises(DataError, match="holds no"):
+        _gen(tiny, out, sharegpt, eval_dir, limit=3, turns=2, history_from=tmp_path / "nothing")
+    # a stored answer to another prompt (here: another conversation's) is caught, not used
+    m = json.loads((first / MANIFEST).read_text())
+    recs = _records(first, m)
+    swapped = [ShardRecord(recs[1].tokens, recs[1].prompt_len, recs[0].source_index), *recs[1:]]
+    entry = write_shard(first / m["shards"][0]["file"], swapped[:2], token_dtype(512))
+    m["shards"][0].update(sha256=entry["sha256"], tokens=entry["tokens"])
+    (first / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(DataError, match="answers another prompt"):
+        _gen(tiny, out, sharegpt, eval_dir, limit=3, turns=2, history_from=first)
+    with pytest.raises(DataError, match="given twice"):
+        load_data_dirs([first, tmp_path / "turn1"])
+
+
 def test_older_data_directories_load_and_convert(tiny, tmp_path: Path) -> None:
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(
@@ -322,6 +418,32 @@ def test_cli_generates_sharegpt_shards(
     result = CliRunner().invoke(app, [*args[:-4], "--limit", "4", "--threads", "1"])
     assert result.exit_code == 0, result.output
     assert json.loads((out / MANIFEST).read_text())["records"] == 4
+
+
+def test_cli_adds_later_turns_and_trains_on_both_directories(
+    tiny_model_dir: Path, tmp_path: Path, sharegpt: Path, eval_dir: Path
+) -> None:
+    common = ["--source", "sharegpt", "--sharegpt-file", str(sharegpt), "--eval-dir",
+              str(eval_dir), "--model", str(tiny_model_dir), "-n", "4", "--shard-size", "2",
+              "--limit", "3", "--threads", "1"]  # fmt: skip
+    first, later = tmp_path / "turn1", tmp_path / "turn2"
+    result = CliRunner().invoke(app, ["data", "generate", *common, "--out", str(first)])
+    assert result.exit_code == 0, result.output
+    result = CliRunner().invoke(
+        app,
+        ["data", "generate", *common, "--out", str(later), "--turns", "2",
+         "--history-from", str(first)],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "2 answers" in " ".join(result.output.split())  # conversations 0 and 4, turn 2
+    for data in (["--data", str(first), "--data", str(later)], ["--data", f"{first},{later}"]):
+        out = tmp_path / f"ck{len(data)}"
+        args = ["train", "medusa", *data, "--out", str(out), "--model", str(tiny_model_dir),
+                "--heads", "1", "--max-steps", "1", "--batch", "16", "--threads", "1"]  # fmt: skip
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 0, result.output
+        training = json.loads((out / "config.json").read_text())["training"]
+        assert training["records"] == 5
 
 
 def test_cli_source_errors(tmp_path: Path) -> None:

@@ -131,6 +131,14 @@ ThreadsOpt = Annotated[
 DataOpt = Annotated[
     Path, typer.Option("--data", help="Self-distilled data from `specdec data generate`.")
 ]
+DataDirsOpt = Annotated[
+    list[Path],
+    typer.Option(
+        "--data",
+        help="Self-distilled data from `specdec data generate`; repeat it (or comma-separate) "
+        "to train on several directories of one prompt source, e.g. first and later turns.",
+    ),
+]
 MaxStepsOpt = Annotated[
     int | None, typer.Option("--max-steps", help="Stop after N optimiser steps (smoke runs).")
 ]
@@ -150,6 +158,11 @@ ExcludeCategoriesOpt = Annotated[
         help="Leave out records of these comma-separated categories (e.g. translation,code).",
     ),
 ]
+
+
+def data_dirs(values: list[Path]) -> list[Path]:
+    """The ``--data`` directories, comma-separated lists split (the option also repeats)."""
+    return [Path(p) for v in values for p in str(v).split(",") if p.strip()]
 
 
 def select_categories(

@@ -62,6 +62,15 @@ def generate(
         int,
         typer.Option("--turns", help="sharegpt: answer up to N user turns per conversation."),
     ] = 1,
+    history_from: Annotated[
+        Path | None,
+        typer.Option(
+            "--history-from",
+            help="sharegpt with --turns N: take the earlier turns' answers from this data "
+            "directory (e.g. data/sharegpt-smol, the first turns) instead of answering them "
+            "again; --out gets only the later turns. Train on both (--data A --data B).",
+        ),
+    ] = None,
     shard_size: Annotated[
         int | None,
         typer.Option("--shard-size", help="Prompts per shard (default 32; sharegpt 500)."),
@@ -111,6 +120,7 @@ def generate(
                 batch_size=batch_size,
                 shard_size=shard_size or 500,
                 progress=tqdm,
+                history_from=history_from,
             )
             err_console.print(
                 f"{m['records']} answers in {out} ({len(m['shards'])} shards, {m['tokens']} "
@@ -123,8 +133,8 @@ def generate(
 
         if prompts is None:
             raise DataError("--source prompts needs --prompts FILE (or use --source sharegpt)")
-        if turns != 1 or sharegpt_file is not None:
-            raise DataError("--turns and --sharegpt-file are for --source sharegpt")
+        if turns != 1 or sharegpt_file is not None or history_from is not None:
+            raise DataError("--turns, --history-from and --sharegpt-file are for --source sharegpt")
         loaded = load_target(model, gguf, dtype, threads)
         manifest = generate_data(
             loaded,

@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from specdec.cli.common import (
     CategoriesOpt,
-    DataOpt,
+    DataDirsOpt,
     DeviceOpt,
     DtypeOpt,
     ExcludeCategoriesOpt,
@@ -20,6 +20,7 @@ from specdec.cli.common import (
     PrecisionOpt,
     ResumeOpt,
     ThreadsOpt,
+    data_dirs,
     err_console,
     select_categories,
     user_errors,
@@ -38,7 +39,7 @@ def _layers(text: str | None) -> tuple[int, ...] | None:
 
 
 def eagle(
-    data: DataOpt,
+    data: DataDirsOpt,
     out: Annotated[Path, typer.Option("--out", help="Drafter directory to write.")],
     variant: Annotated[
         str, typer.Option("--variant", help="eagle3 (fused low/mid/high features) | eagle1.")
@@ -96,7 +97,7 @@ def eagle(
     speculators format vLLM loads. Multi-GPU: `accelerate launch -m specdec.cli.main train
     eagle ...`."""
     from specdec.cli.common import load_target
-    from specdec.training.data import load_data
+    from specdec.training.data import load_data_dirs
     from specdec.training.eagle import EagleTrainConfig, train_eagle
 
     with user_errors():
@@ -116,7 +117,9 @@ def eagle(
             precision=precision,
         )
         loaded = load_target(model, gguf, dtype, threads, device=device)
-        dataset = select_categories(load_data(data, loaded), categories, exclude_categories)
+        dataset = select_categories(
+            load_data_dirs(data_dirs(data), loaded), categories, exclude_categories
+        )
         result = train_eagle(
             loaded,
             dataset,

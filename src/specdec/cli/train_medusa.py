@@ -11,7 +11,7 @@ from tqdm import tqdm
 from specdec.cli.common import (
     BatchOpt,
     CategoriesOpt,
-    DataOpt,
+    DataDirsOpt,
     DeviceOpt,
     DtypeOpt,
     ExcludeCategoriesOpt,
@@ -21,6 +21,7 @@ from specdec.cli.common import (
     PrecisionOpt,
     ResumeOpt,
     ThreadsOpt,
+    data_dirs,
     err_console,
     select_categories,
     user_errors,
@@ -28,7 +29,7 @@ from specdec.cli.common import (
 
 
 def medusa(
-    data: DataOpt,
+    data: DataDirsOpt,
     out: Annotated[Path, typer.Option("--out", help="Checkpoint directory to write.")],
     heads: Annotated[int, typer.Option("--heads", help="Number of Medusa heads.")] = 4,
     layers: Annotated[int, typer.Option("--layers", help="Residual blocks per head.")] = 1,
@@ -67,7 +68,7 @@ def medusa(
     """Train Medusa heads for the target (frozen) on its own outputs."""
 
     from specdec.cli.common import load_target
-    from specdec.training.data import load_data
+    from specdec.training.data import load_data_dirs
     from specdec.training.medusa import MedusaTrainConfig, train_medusa
 
     with user_errors():
@@ -85,7 +86,9 @@ def medusa(
             precision=precision,
         )
         loaded = load_target(model, gguf, dtype, threads, device=device)
-        dataset = select_categories(load_data(data, loaded), categories, exclude_categories)
+        dataset = select_categories(
+            load_data_dirs(data_dirs(data), loaded), categories, exclude_categories
+        )
         result = train_medusa(loaded, dataset, out, config, resume=resume, progress=tqdm)
     top = "  ".join(
         f"head {k + 1}: top-1 {t:.3f} ({a[0]:.3f} after a right chain)"

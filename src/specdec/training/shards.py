@@ -320,6 +320,7 @@ def generate_sharegpt_data(
     batch_size: int = 16,
     shard_size: int = 500,
     progress: ProgressFactory = NullBar,
+    history_from: str | os.PathLike[str] | None = None,
 ) -> dict[str, Any]:
     """Have the target answer ShareGPT user prompts and store the answers as token shards.
 
@@ -328,6 +329,13 @@ def generate_sharegpt_data(
     turns are answered too, with the target's own earlier answers as history, so the data holds
     the multi-turn contexts chat benchmarks ask about. Rerunning with the same settings resumes
     (or, with a larger ``limit``, extends) the data set in ``out_dir``; returns the manifest.
+
+    ``history_from``: a data directory of this function with fewer turns and the same source,
+    target and generation settings (the committed ``data/sharegpt-smol`` holds first turns). Its
+    answers are the history of the later turns instead of being generated again (3.3M tokens,
+    hours on a CPU, for the first turns of ShareGPT), and ``out_dir`` gets only the later turns'
+    answers, which are exactly those of a run without ``history_from``; train on both
+    directories together.
     """
     for name, value in (("max_new_tokens", max_new_tokens), ("turns", turns),
                         ("batch_size", batch_size), ("shard_size", shard_size)):  # fmt: skip
@@ -388,13 +396,31 @@ def generate_sharegpt_data(
         "token_dtype": dtype.name,
     }
     out = Path(out_dir)
+    history = None
+    if history_from is not None:
+        if Path(history_from).resolve() == out.resolve():
+            raise DataError("--history-from must be another directory than --out")
+        history = _History.load(Path(history_from), base, turns)
+        if n > history.covered:
+            raise DataError(
+                f"{history.root} answers the first {history.covered} conversations only; "
+                f"extend it first, or pass --limit {history.covered}"
+            )
+        base["generation"]["first_turn"] = history.turns
+        base["history"] = {
+            "from": str(history_from),
+            "turns": history.turns,
+            "rule": f"turns before {history.turns} are not answered again: that directory's "
+            "answers (the target's own) are their history; this one holds the later turns",
+        }
+    first_turn = history.turns if history is not None else 0
     out.mkdir(parents=True, exist_ok=True)
     done = _resumable_shards(out, base)
     ranges = [(a, min(a + shard_size, n)) for a in range(0, n, shard_size)]
     # a shard of an earlier run with a larger --limit covers a shorter range of this one
     covered = {(s["start"], s["end"]) for s in done.values()}
     todo = [(a, b) for a, b in ranges if not any(x == a and y >= b for x, y in covered)]
-    work = {a: sum(len(p.turns) for p in sel.prompts[a:b]) for a, b in ranges}
+    work = {a: sum(max(len(p.turns) - first_turn, 0) for p in sel.prompts[a:b]) for a, b in ranges}
     total = sum(work.values())
     bar = progress(
         total=total,
@@ -410,7 +436,10 @@ def generate_sharegpt_data(
     manifest = _write_manifest(out, base, done, n)
     try:
         for a, b in todo:
-            recs, skipped = _answer(loaded, sel.prompts[a:b], compat, batch_size, chat, bar)
+            earlier = history.records(a, b) if history is not None else None
+            recs, skipped = _answer(
+                loaded, sel.prompts[a:b], compat, batch_size, chat, bar, earlier, first_turn
+            )
             entry = write_shard(out / shard_file(a, b), recs, dtype)
             done[entry["file"]] = {**entry, "start": a, "end": b, "skipped_long_prompts": skipped}
             manifest = _write_manifest(out, base, done, n)
@@ -488,17 +517,33 @@ def _answer(
     batch_size: int,
     chat: bool,
     bar: Any,
+    earlier: dict[tuple[int, int], ShardRecord] | None = None,
+    first_turn: int = 0,
 ) -> tuple[list[ShardRecord], int]:
     """Answer every turn of ``convs`` (turn by turn, batched across conversations), with the
     target's own answers as the history of later turns; (records in conversation/turn order,
-    prompts skipped as too long). A conversation stops at its first too-long prompt."""
+    prompts skipped as too long). A conversation stops at its first too-long prompt.
+
+    Turns before ``first_turn`` are not answered: their answers come from ``earlier`` (keyed by
+    source index and turn; see :class:`_History`), each checked to answer the very prompt this
+    run builds, and only the later turns' records are returned. The batches of those turns are
+    the ones a run answering every turn would form, so their answers are the same."""
     from specdec.request import encode_prompt
 
     tok = loaded.tokenizer
     history: list[list[dict[str, str]]] = [[] for _ in convs]
-    alive = [True] * len(convs)
+    alive = [len(c.turns) > first_turn for c in convs]  # the others have nothing to answer
     got: dict[tuple[int, int], ShardRecord] = {}
     skipped = 0
+
+    def heard(ci: int, turn: int, response: Sequence[int]) -> None:
+        if turn + 1 < len(convs[ci].turns):
+            answer = str(tok.decode(list(response), skip_special_tokens=True)).strip()
+            history[ci] += [
+                {"role": "user", "content": convs[ci].turns[turn]},
+                {"role": "assistant", "content": answer},
+            ]
+
     for turn in range(max(len(c.turns) for c in convs)):
         items: list[tuple[int, list[int]]] = []
         for ci, conv in enumerate(convs):
@@ -506,6 +551,20 @@ def _answer(
                 continue
             msgs = [*history[ci], {"role": "user", "content": conv.turns[turn]}]
             ids = encode_prompt(tok, msgs if chat else conv.turns[turn], chat=chat or None)
+            if turn < first_turn:
+                stored = (earlier or {}).get((conv.source_index, turn))
+                if stored is None:  # that run stopped here (a prompt over max_prompt_tokens)
+                    alive[ci] = False
+                    bar.update(len(conv.turns) - first_turn)
+                    continue
+                if list(stored.tokens[: stored.prompt_len]) != ids:
+                    raise DataError(
+                        f"the stored answer to turn {turn} of conversation {conv.source_index} "
+                        "answers another prompt than this run builds (another chat template or "
+                        "source?); its history would not be the target's own"
+                    )
+                heard(ci, turn, stored.tokens[stored.prompt_len :])
+                continue
             if len(ids) > manifest.max_prompt_tokens:
                 skipped += 1
                 alive[ci] = False
@@ -520,11 +579,67 @@ def _answer(
             outs = generate_batch(loaded, [ids for _, ids in batch], manifest, gen_seed)
             for (ci, ids), resp in zip(batch, outs, strict=True):
                 got[(ci, turn)] = ShardRecord(ids + resp, len(ids), convs[ci].source_index, turn)
-                if turn + 1 < len(convs[ci].turns):
-                    answer = str(tok.decode(resp, skip_special_tokens=True)).strip()
-                    history[ci] += [
-                        {"role": "user", "content": convs[ci].turns[turn]},
-                        {"role": "assistant", "content": answer},
-                    ]
+                heard(ci, turn, resp)
             bar.update(len(batch))
     return [got[k] for k in sorted(got)], skipped
+
+
+@dataclass(frozen=True)
+class _History:
+    """An earlier data set whose answers are the history of a run with more turns: same source,
+    eval sets, target and generation settings, so its answers are the ones this run would give
+    (greedy: the target's own), and answering them again would only cost time."""
+
+    root: Path
+    turns: int  # the turns per conversation it answered (the first turn this run answers)
+    shards: tuple[dict[str, Any], ...]
+    covered: int  # conversations 0..covered-1 of the order are answered there
+
+    @classmethod
+    def load(cls, root: Path, base: dict[str, Any], turns: int) -> _History:
+        """Check ``root`` against this run's manifest ``base``; refuse what would not give the
+        answers this run would."""
+        m = _read_manifest(root)
+        if m is None:
+            raise DataError(f"--history-from {root} holds no {MANIFEST}")
+        src, gen, mine = m.get("source", {}), m.get("generation", {}), base["generation"]
+        problems = []
+        if src.get("kind") != "sharegpt" or src.get("sha256") != base["source"]["sha256"]:
+            problems.append("another source file")
+        if m.get("eval_filter", {}).get("eval_sets") != base["eval_filter"]["eval_sets"]:
+            problems.append("other eval sets (another selection of conversations)")
+        problem = identity_mismatch(m.get("target", {}), base["target"])
+        if problem:
+            problems.append(f"another target ({problem})")
+        keys = ("max_new_tokens", "max_prompt_tokens", "temperature", "seed", "chat_template")
+        problems += [f"{k} {gen.get(k)!r} (this run: {mine[k]!r})" for k in keys
+                     if gen.get(k) != mine[k]]  # fmt: skip
+        if gen.get("first_turn"):
+            problems.append("no first turns of its own (it was generated --history-from)")
+        if problems:
+            raise DataError(
+                f"--history-from {root} cannot be this run's history: {'; '.join(problems)}"
+            )
+        prior = int(gen.get("turns", 1))
+        if turns <= prior:
+            raise DataError(
+                f"--history-from {root} already answers {prior} turn(s) per conversation; "
+                f"--turns must be larger to add later ones"
+            )
+        shards = tuple(sorted(m.get("shards", []), key=lambda s: (s["start"], s["end"])))
+        covered = 0
+        for s in shards:
+            if s["start"] > covered:
+                break
+            covered = max(covered, int(s["end"]))
+        return cls(root, prior, shards, covered)
+
+    def records(self, start: int, end: int) -> dict[tuple[int, int], ShardRecord]:
+        """Its records of conversations ``start..end-1`` (and any others in the same shards),
+        keyed by (source index, turn); read one output shard at a time, so memory stays small."""
+        out = {}
+        for s in self.shards:
+            if s["start"] < end and s["end"] > start:
+                for r in read_shard(self.root / s["file"], s["sha256"]):
+                    out[(r.source_index, r.turn)] = r
+        return out
