@@ -98,8 +98,9 @@ DtypeOpt = Annotated[
     typer.Option(
         "--dtype",
         help="float32 (default, oneDNN fast path) | float32-stock | fp16-weights | bfloat16 "
-        "| float64 | int8-dynamic | int8 | int4 | int4-g128 | int4-ort (CPU low-bit weights: "
-        "docs/lowbit.md; int4-ort needs the ort extra) | gguf (the target's GGUF file run by "
+        "| float64 | int8-dynamic | int8 | int4 | int4-g128 | int4-ort | kquant (CPU low-bit "
+        "weights: docs/lowbit.md; int4-ort needs the ort extra; kquant runs a Q4_K_M GGUF's "
+        "own blocks) | gguf (the target's GGUF file run by "
         "llama.cpp on the CPU; needs the llamacpp extra).",
     ),
 ]

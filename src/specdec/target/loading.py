@@ -346,6 +346,15 @@ def load_model(
         tokenizer.chat_template = template
     hf_model.eval()
     hf_model.requires_grad_(False)
+    if numerics.name == "kquant":  # built from the file's own blocks, not the dequantised copy
+        if model is not None:
+            raise ConfigError(
+                "dtype 'kquant' runs a GGUF file's own Q4_K/Q6_K blocks: pass --gguf FILE or a "
+                f"model pack, not the model directory {str(model)!r}"
+            )
+        from specdec.target.kquant import attach_gguf_blocks
+
+        attach_gguf_blocks(hf_model, source)
     description = apply_numerics(hf_model, numerics, target_device)
     return LoadedModel(
         model=hf_model,

@@ -445,6 +445,25 @@ def _ort_threads(model: nn.Module) -> None:
     torch_single_threaded(model)
 
 
+def _kquant_linear(linear: nn.Linear) -> nn.Module:
+    from specdec.target.kquant import KQuantLinear
+
+    return KQuantLinear.from_attached(linear)
+
+
+def _require_kquant() -> None:
+    import warnings
+
+    from specdec.target.kquant import extension
+
+    if not extension().has_simd():
+        warnings.warn(
+            "dtype 'kquant': this CPU lacks AVX-512 VNNI, so the kernel runs its portable loop "
+            "(correct, but many times slower); --dtype gguf runs the file through llama.cpp",
+            stacklevel=2,
+        )
+
+
 SCHEMES: dict[str, LowBitScheme] = {
     s.name: s
     for s in (
@@ -486,6 +505,16 @@ SCHEMES: dict[str, LowBitScheme] = {
             requires=_require_ort,
             after_swap=_ort_threads,
         ),
+        LowBitScheme(
+            "kquant",
+            "the GGUF file's own Q4_K/Q6_K blocks, int8 activation blocks, specdec's small-row "
+            "kernel",
+            _kquant_linear,
+            k_multiple=256,
+            hint="Use int8-dynamic, which takes any shape.",
+            kernels="specdec's Q4_K/Q6_K CPU kernel (compiled on first use)",
+            requires=_require_kquant,
+        ),
     )
 }
 
@@ -503,13 +532,15 @@ def check_shapes(model: nn.Module, name: str) -> None:
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of every linear layer's weights (packed, with scales and biases) in ``model``:
     what one decoding step reads besides one embedding row."""
+    from specdec.target.kquant import KQuantLinear
     from specdec.target.numerics import Fp16WeightLinear, PackedLinear
     from specdec.target.ort_int4 import OrtInt4Linear
 
     total = 0
     for module in model.modules():
         if isinstance(
-            module, (Int4WeightLinear, Int8WeightLinear, DynamicInt8Linear, OrtInt4Linear)
+            module,
+            (Int4WeightLinear, Int8WeightLinear, DynamicInt8Linear, OrtInt4Linear, KQuantLinear),
         ):
             total += module.weight_bytes()
         elif isinstance(module, nn.Linear):

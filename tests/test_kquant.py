@@ -1,0 +1,228 @@
+"""``--dtype kquant``: a GGUF file's own Q4_K / Q6_K blocks through specdec's small-row kernel.
+
+What is checked: the blocks are read exactly (the layer's weight equals the gguf package's own
+dequantisation, bit for bit); the kernel computes what its integer formula says (against a
+float64 evaluation of the same formula) and stays close to the fp32 layer; every row is
+computed from itself alone, bit for bit, whatever the row count (across the kernel's 8-row
+chunks) and the thread count; the whole forward is row-invariant and greedy speculation equals
+plain greedy decoding under these numerics; files and models it cannot run are refused with an
+error naming what to use. The blocks are random (valid by construction: any bytes are codes);
+a real Q4_K_M file is checked too where the Qwen pair is installed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+from torch import nn
+
+from specdec import SpeculativeEngine
+from specdec.errors import ConfigError
+from specdec.target import ModelRunner, load_model
+from specdec.target.kquant import KQuantLinear, attach_blocks, extension
+from specdec.target.loading import LoadedModel
+from specdec.target.lowbit import SCHEMES, use_rowwise_attention
+from specdec.target.numerics import _swap_linears, dense_weight
+
+KINDS = {"Q4_K": (144, GGMLQuantizationType.Q4_K), "Q6_K": (210, GGMLQuantizationType.Q6_K)}
+
+
+def random_blocks(kind: str, n: int, k: int, seed: int, scale: float = 1.0) -> np.ndarray:
+    """``[n, k / 256 * bytes]`` valid blocks: random codes and sub-scales, small fp16 d."""
+    size, _ = KINDS[kind]
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, (n * k // 256, size), dtype=np.uint8)
+    if kind == "Q4_K":
+        d = (rng.uniform(0.5, 1.5, (len(b), 2)) * [2e-3, 4e-3] * scale).astype(np.float16)
+        b[:, 0:4] = d.view(np.uint8)
+    else:
+        b[:, 192:208] = rng.integers(-20, 21, (len(b), 16), dtype=np.int8).view(np.uint8)
+        b[:, 208:210] = (
+            (rng.uniform(0.5, 1.5, (len(b), 1)) * 1e-3 * scale).astype(np.float16).view(np.uint8)
+        )
+    return b.reshape(n, -1)
+
+
+def reference_weight(kind: str, blocks: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(dequantize(blocks, KINDS[kind][1]).astype(np.float32))
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_blocks_are_read_exactly(kind):
+    blocks = random_blocks(kind, 48, 512, seed=1)
+    layer = KQuantLinear.from_gguf(kind, blocks, 512)
+    assert torch.equal(layer.dense(), reference_weight(kind, blocks))
+    assert torch.equal(dense_weight(layer), reference_weight(kind, blocks))
+    # the file's bytes per 256-weight block (Q4_K 144, Q6_K 210), plus Q4_K's 6-bit scales
+    # and mins unpacked to one byte each (16 bytes where the file packs them in 12)
+    per_block = {"Q4_K": 148, "Q6_K": 210}[kind]
+    assert layer.weight_bytes() == 48 * 2 * per_block
+
+
+def _formula(kind: str, layer: KQuantLinear, x: torch.Tensor) -> torch.Tensor:
+    """The kernel's arithmetic in float64: int8 activation blocks (scale amax / 127, rounded
+    to nearest even), dotted with the dequantised weight."""
+    rows, k = x.shape
+    xb = x.double().view(rows, k // 256, 256)
+    amax = xb.abs().amax(-1, keepdim=True)
+    iscale = (127.0 / amax.float()).double()  # the kernel computes 127 / amax in float32
+    q = torch.round((xb.float() * iscale.float()).double()).clamp(-127, 127)
+    da = (1.0 / iscale.float()).double()
+    xq = (q * da).view(rows, k)
+    return xq @ layer.dense().double().T
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_kernel_computes_its_formula_and_stays_close_to_fp32(kind):
+    blocks = random_blocks(kind, 40, 768, seed=2)
+    layer = KQuantLinear.from_gguf(kind, blocks, 768)
+    torch.manual_seed(0)
+    x = torch.randn(11, 768)
+    y = layer(x)
+    exact = _formula(kind, layer, x)
+    # float32 accumulation of exact int32 block sums: within 1e-5 of the float64 formula
+    assert torch.allclose(y.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
+    fp32 = x @ reference_weight(kind, blocks).T
+    rel = ((y - fp32).norm() / fp32.norm()).item()
+    assert 0 < rel < 0.02  # int8 activation blocks: ~0.7% on Gaussian inputs
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_each_row_is_computed_alone_bit_for_bit(kind):
+    layer = KQuantLinear.from_gguf(kind, random_blocks(kind, 72, 512, seed=3), 512)
+    torch.manual_seed(1)
+    x = torch.randn(20, 512) * 3
+    together = layer(x)  # three chunks of 8 rows, the last one 4
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(20)])
+    assert torch.equal(together, alone)
+    for k in (2, 5, 9, 16):
+        assert torch.equal(layer(x[:k]), alone[:k])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(layer(x), together)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_simd_and_portable_paths_agree():
+    ext = extension()
+    if not ext.has_simd():
+        pytest.skip("no AVX-512 VNNI on this CPU: only the portable path runs")
+    for kind in KINDS:
+        layer = KQuantLinear.from_gguf(kind, random_blocks(kind, 32, 512, seed=4), 512)
+        x = torch.randn(5, 512)
+        args = (layer.codes, layer.meta, layer.d, layer.dmin, kind == "Q6_K")
+        simd, portable = ext.kquant_mm(x, *args, False), ext.kquant_mm(x, *args, True)
+        # same integers; the float sums are ordered differently (lanes against one running sum)
+        assert torch.allclose(simd, portable, rtol=1e-5, atol=1e-5 * portable.abs().max().item())
+
+
+def _kquant_model(tiny_tokenizer_dir: Path, tmp_path: Path, seed: int) -> LoadedModel:
+    """A 2-layer llama-shaped model (hidden 256, every width a multiple of 256) whose linears
+    are random Q4_K (attention, gate/up, head) and Q6_K (v, down) blocks, as a Q4_K_M file
+    mixes them; the fp32 checkpoint holds their exact dequantisation."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        eos_token_id=tok.eos_token_id,
+    )
+    model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
+    blocks = {}
+    for i, (path, linear) in enumerate(model.named_modules()):
+        if isinstance(linear, nn.Linear):
+            kind = "Q6_K" if path.endswith(("v_proj", "down_proj")) else "Q4_K"
+            scale = 8.0 if path == "lm_head" else 1.0  # logits with real margins
+            data = random_blocks(kind, linear.out_features, linear.in_features, seed + i, scale)
+            linear.weight.copy_(reference_weight(kind, data))
+            blocks[path] = (kind, data)
+    attach_blocks(model, blocks, "test blocks")
+    _swap_linears(model, SCHEMES["kquant"].make)
+    use_rowwise_attention(model)
+    return LoadedModel(
+        model=model, tokenizer=tok, source="test", numerics="kquant", dtype_name="kquant"
+    )
+
+
+def test_the_whole_forward_is_row_invariant(tiny_tokenizer_dir, tmp_path):
+    loaded = _kquant_model(tiny_tokenizer_dir, tmp_path, seed=5)
+    assert all(not isinstance(m, nn.Linear) for m in loaded.model.modules()), (
+        "every linear runs the kernel"
+    )
+    runner = ModelRunner(loaded.model)
+    prompt = loaded.tokenizer("First Citizen:\nBefore we proceed any further")["input_ids"]
+    runner.forward(prompt)
+    chunk = [17, 23, 5, 99, 42, 7, 8, 11, 12, 300]  # 10 rows: two kernel chunks
+    together = runner.forward(chunk)
+    runner.cache.rollback(len(prompt))
+    alone = torch.cat([runner.forward([t]) for t in chunk])
+    assert torch.equal(together, alone)
+
+
+@pytest.mark.parametrize("spec", ["prompt-lookup", "draft:model=DRAFT,dtype=float32"])
+def test_greedy_speculation_equals_plain_under_kquant(
+    tiny_tokenizer_dir, tiny_draft_dir, tmp_path, spec
+):
+    target = _kquant_model(tiny_tokenizer_dir, tmp_path, seed=6)
+    engine = SpeculativeEngine.from_pretrained(
+        target,
+        speculator=spec.replace("DRAFT", str(tiny_draft_dir)),
+        num_draft_tokens=4,
+        adaptive=False,
+    )
+    drafted = 0
+    for prompt in ("the the the the the the", "ROMEO: But soft, what light through yonder"):
+        plain = engine.generate(prompt, max_new_tokens=24, ignore_eos=True, speculate=False)
+        fast = engine.generate(prompt, max_new_tokens=24, ignore_eos=True)
+        assert fast.token_ids == plain.token_ids, (spec, prompt)
+        drafted += fast.stats.drafted_tokens
+    assert drafted > 0
+
+
+def test_what_kquant_cannot_run_is_refused(tiny_model_dir):
+    # a model directory: no file blocks to run
+    with pytest.raises(ConfigError, match="pass --gguf FILE or a model pack"):
+        load_model(tiny_model_dir, dtype="kquant")
+    # the bundled SmolLM2 file is Q4_1 (its tied embedding, the head, Q8_0): no K-quants
+    with pytest.raises(ConfigError, match=r"Q4_1\.gguf's \S+ is Q\d_\d; use a Q4_K_M"):
+        load_model(None, dtype="kquant")
+    # blocks that do not hold the checkpoint's weight (a permuted layout) are not run
+    linear = nn.Linear(256, 4, bias=False)
+    model = nn.Sequential()
+    model.add_module("proj", linear)
+    data = random_blocks("Q4_K", 4, 256, seed=7)
+    linear.weight.data.copy_(reference_weight("Q4_K", data).flip(0))
+    with pytest.raises(ConfigError, match="permute q/k rows"):
+        attach_blocks(model, {"proj": ("Q4_K", data)}, "test")
+    # a linear without blocks
+    with pytest.raises(ConfigError, match="has none"):
+        KQuantLinear.from_attached(nn.Linear(256, 8))
+
+
+QWEN = Path.home() / ".cache" / "specdec" / "packs" / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+
+
+@pytest.mark.skipif(not QWEN.is_file(), reason="the Qwen pair is not installed (--qwen-pair)")
+def test_a_real_q4_k_m_file_is_read_exactly():
+    from gguf import GGUFReader
+
+    tensors = {t.name: t for t in GGUFReader(str(QWEN)).tensors}
+    for name in ("blk.0.ffn_gate.weight", "blk.0.ffn_down.weight", "blk.3.attn_v.weight"):
+        t = tensors[name]
+        data = np.asarray(t.data)[:64]
+        layer = KQuantLinear.from_gguf(t.tensor_type.name, data, int(t.shape[0]))
+        assert torch.equal(layer.dense(), torch.from_numpy(dequantize(data, t.tensor_type)))
