@@ -63,16 +63,22 @@ def extension() -> ModuleType:
         ) from error
 
 
+def _to_lanes(codes: np.ndarray) -> np.ndarray:
+    """``[B, 256]`` codes in weight order -> ``[B, 4, 64]`` in the kernel's lane layout:
+    register c, byte 4 l + i holds weight 16 l + 4 c + i (lane l: one 16-weight group)."""
+    return codes.reshape(-1, 16, 4, 4).transpose(0, 2, 1, 3).reshape(-1, 4, 64)
+
+
 def _pack_nibbles(codes: np.ndarray) -> np.ndarray:
-    """``[B, 256]`` 4-bit codes as the kernel reads them: 64-byte half L holds weight
-    L * 128 + i in byte i's low nibble and L * 128 + 64 + i in its high one."""
-    halves = codes.reshape(-1, 2, 2, 64)  # [B, half, low/high, 64]
-    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).astype(np.uint8).reshape(-1, 128)
+    """``[B, 256]`` 4-bit codes as the kernel reads them: registers 0 and 1 share the low and
+    high nibbles of the first 64 bytes, registers 2 and 3 those of the next 64."""
+    lanes = _to_lanes(codes)
+    return (lanes[:, 0::2] | (lanes[:, 1::2] << 4)).astype(np.uint8).reshape(-1, 128)
 
 
 def q4k_parts(blocks: np.ndarray, n: int) -> dict[str, torch.Tensor]:
-    """A Q4_K tensor's bytes ``[N, K/256 * 144]`` as the kernel's arrays: nibbles repacked so
-    one 64-byte load gives 128 consecutive weights, integer scales/mins, fp32 d/dmin."""
+    """A Q4_K tensor's bytes ``[N, K/256 * 144]`` as the kernel's arrays: nibbles repacked
+    into the kernel's lane layout, integer scales and mins one byte each, fp16 d/dmin."""
     from gguf.quants import Q4_K
 
     b = np.ascontiguousarray(blocks).reshape(-1, Q4_K_BYTES)
@@ -94,7 +100,8 @@ def q4k_parts(blocks: np.ndarray, n: int) -> dict[str, torch.Tensor]:
 
 def q6k_parts(blocks: np.ndarray, n: int) -> dict[str, torch.Tensor]:
     """A Q6_K tensor's bytes ``[N, K/256 * 210]``: its 6-bit codes (low nibbles packed as for
-    Q4_K, then the 2-bit high parts), its int8 scale per 16 weights, fp16 d.
+    Q4_K, then the 2-bit high parts, in the kernel's lane layout), its int8 scale per 16
+    weights, fp16 d.
     ``w = d * sc * (q - 32)``."""
     b = np.ascontiguousarray(blocks).reshape(-1, Q6_K_BYTES)
     ql = b[:, :128].reshape(-1, 2, 64)
@@ -106,7 +113,7 @@ def q6k_parts(blocks: np.ndarray, n: int) -> dict[str, torch.Tensor]:
     )  # [B, 2, 128]: weights 0-31, 32-63, 64-95, 96-127
     hi = np.concatenate([(qh >> s) & 3 for s in (0, 2, 4, 6)], 2)  # [B, 2, 128]
     nibbles = _pack_nibbles(lo.reshape(-1, 256))
-    high = hi.reshape(-1, 4, 64)  # 2-bit parts of weights 64 s + i, s = 0..3
+    high = _to_lanes(hi.reshape(-1, 256))  # register c's 2-bit parts go to bits 2c, 2c + 1
     high = (high[:, 0] | (high[:, 1] << 2) | (high[:, 2] << 4) | (high[:, 3] << 6)).astype(np.uint8)
     codes = np.concatenate([nibbles, high], 1)  # [B, 192]: 6.5 bits a weight, as in the file
     nb = b.shape[0] // n
@@ -150,12 +157,13 @@ class KQuantLinear(nn.Module):
         stride = 192 if self.kind == "Q6_K" else 128
         raw = self.codes.view(n, nb, stride)
         packed = raw[..., :128].reshape(n, nb, 2, 1, 64)
-        codes = torch.cat([packed & 15, packed >> 4], 3).reshape(n, nb, 256).to(torch.int16)
+        lanes = torch.cat([packed & 15, packed >> 4], 3).reshape(n, nb, 4, 64).to(torch.int16)
         if self.kind == "Q6_K":
             high = raw[..., 128:].reshape(n, nb, 1, 64)
-            parts = torch.cat([(high >> (2 * s)) & 3 for s in range(4)], 2)  # [n, nb, 4, 64]
-            codes = codes | (parts.reshape(n, nb, 256).to(torch.int16) << 4)
-        return codes
+            parts = torch.cat([(high >> (2 * c)) & 3 for c in range(4)], 2)  # [n, nb, 4, 64]
+            lanes = lanes | (parts.to(torch.int16) << 4)
+        # register c, byte 4 l + i -> weight 16 l + 4 c + i
+        return lanes.view(n, nb, 4, 16, 4).permute(0, 1, 3, 2, 4).reshape(n, nb, 256)
 
     def dense(self) -> torch.Tensor:
         """The exact fp32 weight ``[N, K]`` (what the file's own dequantisation gives)."""
