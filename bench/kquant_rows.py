@@ -16,13 +16,15 @@ import argparse
 import json
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-KS = (1, 2, 3, 4, 6, 8, 12, 16)
+sys.path.insert(0, str(Path(__file__).parent))
+from lowbit import KS, forward_times  # noqa: E402 - the same interleaved T(k) as bench/lowbit.py
 
 
 def kernel_times(gguf: Path, repeats: int) -> dict[int, float]:
@@ -65,19 +67,9 @@ def model_times(repeats: int, stub: bool) -> dict[int, float]:
 
         kq.extension = lambda: Empty()  # type: ignore[assignment]
     try:
-        prefix = list(range(1000, 1200))
-        runner.forward(prefix, logits_to_keep=1)
-        out: dict[int, list[float]] = {k: [] for k in KS}
-        for r in range(repeats + 1):
-            for k in KS:
-                t0 = time.perf_counter()
-                runner.forward(list(range(5, 5 + k)))
-                if r:
-                    out[k].append(time.perf_counter() - t0)
-                runner.cache.rollback(len(prefix))
+        return {k: v * 1e3 for k, v in forward_times(runner, repeats).items()}
     finally:
         kq.extension = real
-    return {k: statistics.median(v) * 1e3 for k, v in out.items()}
 
 
 def llama_times(llama_bin: Path, gguf: Path, threads: int) -> dict[int, float]:
