@@ -13,7 +13,8 @@ alone in the same order whatever the row count, so a k-row verification pass giv
 bit for bit what a one-row decoding step gives it.
 
 The extension is compiled on first use with torch's own toolchain (``ninja`` and a C++
-compiler) into ``~/.cache/specdec/ext``, about a minute once per machine and torch version.
+compiler) into ``$XDG_CACHE_HOME/specdec/ext`` (``~/.cache`` by default), about 25 s once per
+machine and torch version.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ Q6_K_BYTES = 210  # 128 B low nibbles, 64 B high bits, 16 int8 scales, fp16 d
 
 
 def _ext_dir() -> Path:
-    root = Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
-    path = root / "ext" / f"kquant-torch{torch.__version__.replace('+', '-')}"
+    from specdec.target.loading import cache_root
+
+    path = cache_root() / "ext" / f"kquant-torch{torch.__version__.replace('+', '-')}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
