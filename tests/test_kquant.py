@@ -56,7 +56,7 @@ def reference_weight(kind: str, blocks: np.ndarray) -> torch.Tensor:
 def test_blocks_are_read_exactly(kind):
     blocks = random_blocks(kind, 48, 512, seed=1)
     layer = KQuantLinear.from_gguf(kind, blocks, 512)
-    assert torch.equal(layer.dense(), reference_weight(kind, blocks))
+    assert torch.equal(layer.exact_weight(), reference_weight(kind, blocks))
     assert torch.equal(dense_weight(layer), reference_weight(kind, blocks))
     # the file's bytes per 256-weight block (Q4_K 144, Q6_K 210), plus Q4_K's 6-bit scales
     # and mins unpacked to one byte each (16 bytes where the file packs them in 12)
@@ -74,7 +74,7 @@ def _formula(kind: str, layer: KQuantLinear, x: torch.Tensor) -> torch.Tensor:
     q = torch.round((xb.float() * iscale.float()).double()).clamp(-127, 127)
     da = (1.0 / iscale.float()).double()
     xq = (q * da).view(rows, k)
-    return xq @ layer.dense().double().T
+    return xq @ layer.exact_weight().double().T
 
 
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
@@ -225,4 +225,4 @@ def test_a_real_q4_k_m_file_is_read_exactly():
         t = tensors[name]
         data = np.asarray(t.data)[:64]
         layer = KQuantLinear.from_gguf(t.tensor_type.name, data, int(t.shape[0]))
-        assert torch.equal(layer.dense(), torch.from_numpy(dequantize(data, t.tensor_type)))
+        assert torch.equal(layer.exact_weight(), torch.from_numpy(dequantize(data, t.tensor_type)))

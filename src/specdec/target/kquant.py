@@ -31,7 +31,6 @@ from torch import nn
 from specdec.errors import ConfigError
 
 QK = 256
-Q4_K_BYTES = 144  # fp16 d, fp16 dmin, 12 B of 6-bit scales/mins, 128 B of nibbles
 Q6_K_BYTES = 210  # 128 B low nibbles, 64 B high bits, 16 int8 scales, fp16 d
 
 
@@ -81,17 +80,12 @@ def _pack_nibbles(codes: np.ndarray) -> np.ndarray:
 def q4k_parts(blocks: np.ndarray, n: int) -> dict[str, torch.Tensor]:
     """A Q4_K tensor's bytes ``[N, K/256 * 144]`` as the kernel's arrays: nibbles repacked
     into the kernel's lane layout, integer scales and mins one byte each, fp16 d/dmin."""
-    from gguf.quants import Q4_K
+    from specdec.target.lowbit import q4k_fields
 
-    b = np.ascontiguousarray(blocks).reshape(-1, Q4_K_BYTES)
-    d = b[:, 0:2].copy().view(np.float16)[:, 0]
-    dmin = b[:, 2:4].copy().view(np.float16)[:, 0]
-    sc, m = Q4_K.get_scale_min(b[:, 4:16])  # [B, 8] each, 0..63
-    qs = b[:, 16:].reshape(-1, 4, 1, 32)
-    codes = ((qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F).reshape(-1, 256)
+    d, dmin, sc, m, codes = q4k_fields(blocks)
     packed = _pack_nibbles(codes)
-    nb = b.shape[0] // n
-    meta = np.concatenate([sc.reshape(-1, 8), m.reshape(-1, 8)], 1).astype(np.uint8)
+    nb = len(d) // n
+    meta = np.concatenate([sc, m], 1).astype(np.uint8)
     return {
         "codes": torch.from_numpy(packed.reshape(n, nb * 128).copy()),
         "meta": torch.from_numpy(meta.reshape(n, nb * 16).copy()),
@@ -167,7 +161,7 @@ class KQuantLinear(nn.Module):
         # register c, byte 4 l + i -> weight 16 l + 4 c + i
         return lanes.view(n, nb, 4, 16, 4).permute(0, 1, 3, 2, 4).reshape(n, nb, 256)
 
-    def dense(self) -> torch.Tensor:
+    def exact_weight(self) -> torch.Tensor:
         """The exact fp32 weight ``[N, K]`` (what the file's own dequantisation gives)."""
         n, nb = self.out_features, self.in_features // QK
         d = self.d.float().view(n, nb, 1, 1)
@@ -269,7 +263,7 @@ def attach_blocks(model: nn.Module, blocks: dict[str, tuple[str, np.ndarray]], o
         linear = modules.get(path)
         if not isinstance(linear, nn.Linear):
             raise ConfigError(f"dtype 'kquant': {origin} has blocks for {path}, not a linear layer")
-        probe = KQuantLinear.from_gguf(kind, data[:2], linear.in_features).dense()
+        probe = KQuantLinear.from_gguf(kind, data[:2], linear.in_features).exact_weight()
         if not torch.equal(probe, linear.weight.detach()[:2].float()):
             raise ConfigError(
                 f"{origin}'s blocks for {path} do not hold the checkpoint's weight as it lays "

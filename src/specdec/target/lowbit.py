@@ -101,6 +101,23 @@ def quantize_int4(
 Q4_K_BLOCK_BYTES = 144  # a 256-weight super-block: fp16 d and dmin, 12 B of scales, 128 of codes
 
 
+def q4k_fields(
+    blocks: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A Q4_K tensor's super-blocks, unpacked: ``d``, ``dmin`` ``[B]`` fp16, ``sc``, ``m``
+    ``[B, 8]`` (6-bit, through the gguf package's own unpacking) and the codes ``[B, 256]``
+    in weight order. ``blocks``: the tensor's bytes, any shape holding whole blocks."""
+    from gguf.quants import Q4_K
+
+    b = np.ascontiguousarray(blocks).reshape(-1, Q4_K_BLOCK_BYTES)
+    d = b[:, 0:2].copy().view(np.float16)[:, 0]
+    dmin = b[:, 2:4].copy().view(np.float16)[:, 0]
+    sc, m = Q4_K.get_scale_min(b[:, 4:16])
+    qs = b[:, 16:].reshape(-1, 4, 1, 32)  # 4 chunks of 32 bytes: 64 weights each
+    codes = (qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+    return d, dmin, sc.reshape(-1, 8), m.reshape(-1, 8), codes.reshape(-1, 256)
+
+
 def q4k_to_int4(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A GGUF Q4_K tensor's own codes in the int4pack group layout, without re-quantising.
 
@@ -114,15 +131,9 @@ def q4k_to_int4(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.T
     rounding of the codes. ``blocks``: the tensor's bytes as ``[N, K / 256 * 144]`` uint8.
     Returns ``q [N, K] int32``, ``scale [N, K/32]``, ``zero [N, K/32]`` (fp32).
     """
-    from gguf.quants import Q4_K  # the gguf package's own unpacking of the 6-bit scales
-
     n = blocks.shape[0]
-    b = np.ascontiguousarray(blocks).reshape(-1, Q4_K_BLOCK_BYTES)  # [B, 144]
-    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)  # [B, 1]
-    dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
-    sc, m = Q4_K.get_scale_min(b[:, 4:16])  # [B, 8] each, 0..63
-    qs = b[:, 16:].reshape(-1, 4, 1, 32)  # 4 chunks of 32 bytes: 64 weights each
-    codes = (qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F  # [B, 4, 2, 32]
+    d16, dmin16, sc, m, codes = q4k_fields(blocks)
+    d, dmin = d16.astype(np.float32)[:, None], dmin16.astype(np.float32)[:, None]
     scale = d * sc.astype(np.float32)  # [B, 8]
     zero = 8 * scale - dmin * m.astype(np.float32)
     q = torch.from_numpy(codes.reshape(n, -1).astype(np.int32))  # [N, K]

@@ -285,9 +285,9 @@ def dense_weight(linear: nn.Module) -> torch.Tensor:
     weight = getattr(linear, "weight", None)
     if isinstance(weight, torch.Tensor):
         return weight.detach().float().clone()
-    exact = getattr(linear, "dense", None)
-    if callable(exact) and getattr(linear, "kind", None) in ("Q4_K", "Q6_K"):
-        return exact()  # kquant rounds its inputs: the identity trick would not be exact
+    exact = getattr(linear, "exact_weight", None)
+    if callable(exact):  # a layer that rounds its inputs (kquant): the identity trick would not be
+        return exact()
     n_in = int(getattr(linear, "in_features"))  # noqa: B009 - every swapped linear has it
     eye = torch.eye(n_in, dtype=torch.float32, device=_module_device(linear))  # [in, in]
     y = linear(eye).float()  # [in, out]
