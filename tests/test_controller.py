@@ -28,6 +28,7 @@ from specdec.control.calibration import (
 from specdec.control.controller import ArmSpec, Choice, Controller, ControllerConfig
 from specdec.errors import CheckpointError, ConfigError, UnknownSpeculatorError
 from specdec.speculators import PromptLookupSpeculator, Speculator
+from specdec.speculators.base import DraftContext
 from specdec.testing import MarkovSpeculator, MarkovTarget, ScriptedSpeculator, word_tokenizer
 from specdec.tree import DraftTree
 
@@ -130,6 +131,117 @@ def test_an_arm_that_cannot_pay_even_at_full_acceptance_is_left_alone():
     assert not ctl._hopeless(arm, 4, 1.0)
     later = [ctl.choose({}, cap=4) for _ in range(3)]
     assert any(c.arm == "model" for c in later)
+
+
+def kquant_like_costs() -> CostModel:
+    """T(n) = 1 + 0.15 (n - 1), about `--dtype kquant`'s measured curve; never updated, so
+    one long pass costs 0.163 plain steps a token (T(64) / 64)."""
+    ratios = {n: 1.0 + 0.15 * (n - 1) for n in range(1, 65)}
+    return CostModel(frozen=True, chain_ratios=ratios, tree_ratios=ratios)
+
+
+@pytest.mark.parametrize(("prompt", "probed"), [(741, False), (100, True)])
+def test_a_draft_is_probed_only_when_its_catch_up_can_pay(prompt, probed):
+    """A draft model that has not read the prompt must catch up before its first draft: 741
+    tokens at 0.25 x 0.163 plain steps each (30 steps) is more than a quarter of the most it
+    could save over 128 tokens (128 - 60 steps at full acceptance), so it is never probed
+    (the RAG prompts that sank ``auto`` to 0.28x); a 100-token prompt (4 steps) is."""
+    arm = ArmSpec("draft", on_demand=True, draft_cost=0.25)
+    ctl = Controller([arm], kquant_like_costs(), ControllerConfig(max_draft=8))
+    assert ctl.catch_up_cost(arm, prompt) == pytest.approx(0.25 * (1 + 0.15 * 63) / 64 * prompt)
+    chosen = []
+    for step in range(40):
+        choice = ctl.choose({}, cap=8, remaining=128 - step, pending={"draft": prompt})
+        chosen.append(choice.arm)
+        if choice.arm is not None:
+            break
+    assert ("draft" in chosen) is probed, chosen
+    # without a remaining count nothing is priced: the old behaviour, probed after 8 steps
+    ctl = Controller([arm], kquant_like_costs(), ControllerConfig(max_draft=8))
+    assert any(ctl.choose({}, cap=8, pending={"draft": 741}).arm for _ in range(10))
+
+
+def test_catch_up_is_amortised_over_the_tokens_left():
+    """A draft known to be accepted 90% of the time pays with a 300-token gap when 500 tokens
+    are left, not when 20 are: the one-off cost is spread over what remains."""
+    arm = ArmSpec("draft", on_demand=True, draft_cost=0.25)
+    ctl = Controller([arm], kquant_like_costs(), ControllerConfig(max_draft=8, probe_every=64))
+    ctl.state["draft"].alphas = [0.9] * 8
+    ctl.state["draft"].observed = 10
+    assert ctl.choose({}, cap=8, remaining=500, pending={"draft": 300}).arm == "draft"
+    assert ctl.choose({}, cap=8, remaining=20, pending={"draft": 300}).arm is None
+    assert ctl.choose({}, cap=8, remaining=20, pending={"draft": 0}).arm == "draft"
+
+
+def test_measured_catch_up_replaces_the_prior_except_when_frozen():
+    arm = ArmSpec("draft", on_demand=True, draft_cost=0.25)
+    ratios = {n: 1.0 + 0.15 * (n - 1) for n in range(1, 65)}
+    live = Controller([arm], CostModel(chain_ratios=ratios), ControllerConfig(max_draft=8))
+    prior = live.catch_up_cost(arm, 100)
+    live.observe_catch_up("draft", 100, 5.0)  # 50 ms a token: far dearer than the prior
+    assert live.catch_up_cost(arm, 100) == pytest.approx(5.0) != pytest.approx(prior)
+    frozen = Controller([arm], kquant_like_costs(), ControllerConfig(max_draft=8))
+    frozen.observe_catch_up("draft", 100, 5.0)
+    assert frozen.state["draft"].catch_up_seconds is None
+    assert frozen.catch_up_cost(arm, 100) == pytest.approx(0.25 * (1 + 0.15 * 63) / 64 * 100)
+
+
+def test_a_draft_model_reports_the_tokens_it_has_not_read(tiny64, tiny_draft_dir):
+    """What ``auto`` prices: the prompt before the first draft, nothing once it drafts every
+    step, the skipped steps after a gap; measured on a real (tiny) draft model."""
+    from specdec.config import SamplingConfig
+    from specdec.speculators import build_speculator
+    from specdec.speculators.base import DraftContext
+
+    draft = build_speculator(tiny64, f"draft:model={tiny_draft_dir}")
+    tokens = list(range(5, 45))
+    ctx = DraftContext(tokens, len(tokens), SamplingConfig(), torch.Generator(), remaining=10)
+    assert draft.pending_catch_up(ctx) == len(tokens) - 1
+    tree = draft.propose(ctx, 3)
+    assert draft.catch_up_seconds() > 0
+    tokens = tokens + [tree.tokens[1]]
+    ctx = DraftContext(tokens, 40, SamplingConfig(), torch.Generator())
+    assert draft.pending_catch_up(ctx) == 0
+    tokens = tokens + [7, 8, 9, 10]
+    ctx = DraftContext(tokens, 40, SamplingConfig(), torch.Generator())
+    assert draft.pending_catch_up(ctx) == 4
+
+
+class _SelfSizing(Speculator):
+    """An on-demand chain drafter that stops its chains itself (as ``draft:length=auto``):
+    records the budgets it is asked for and drafts the target's own continuation."""
+
+    name = "draft"
+    drafts_by_model = True
+
+    def __init__(self, truth: list[int]) -> None:
+        self.truth, self.asked = truth, []
+
+    def chain_cap(self, sampling):  # noqa: ANN001, ANN201
+        return 12 if sampling.greedy else None
+
+    def propose(self, context: DraftContext, budget: int) -> DraftTree:
+        self.asked.append(budget)
+        n = len(context.tokens)
+        return DraftTree.chain(context.tokens[-1], self.truth[n : n + min(budget, 10)])
+
+
+def test_auto_lets_a_self_sizing_draft_choose_its_length():
+    """The controller decides that the draft drafts; the draft, which sees its confidences,
+    how far (up to its own cap, past the controller's K of 4)."""
+    from specdec.config import SamplingConfig
+
+    truth = list(range(100, 400))
+    arm = _SelfSizing(truth)
+    ctl = ArmController([arm], num_draft_tokens=4)
+    ctl._shared.state["draft"].alphas = [0.95] * 4
+    tokens = truth[:20]
+    ctx = DraftContext(tokens, 20, SamplingConfig(), torch.Generator(), remaining=200)
+    tree = ctl.draft(ctx, budget=500)
+    assert ctl.last_choice == "draft" and arm.asked == [12] and tree.num_drafted == 10
+    fixed = DraftContext(tokens, 20, SamplingConfig(), torch.Generator(), fixed_length=True)
+    ctl.draft(fixed, budget=500)
+    assert arm.asked[-1] <= 4  # adaptive=False: the controller's length, exactly
 
 
 def test_costly_drafter_needs_high_acceptance():

@@ -550,6 +550,7 @@ class SpeculativeEngine:
             req.costs,
             req.constraint,
             fixed_length=not self.adaptive,
+            remaining=req.remaining,
         )
         if req.arms is not None:
             return req.arms.draft(context, budget)

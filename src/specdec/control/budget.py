@@ -269,6 +269,22 @@ class CostModel:
                 old = observed
         learned[n] = self.ratio_decay * old + (1 - self.ratio_decay) * observed
 
+    def prefill_ratio(self) -> float:
+        """The lowest T(n) / (n T(1)) over the chain sizes known (calibrated or learned): what
+        one token of a long pass costs, in plain steps. A draft model catching up on a prompt
+        reads it in one such pass, so its catch-up is priced from this (scaled by the draft's
+        own cost) before it is measured. Without any known size, the generic slope's limit.
+
+        >>> CostModel.calibrated({1: 1.0, 8: 2.0, 64: 8.0}, {}).prefill_ratio()
+        0.125
+        >>> CostModel().prefill_ratio()
+        0.06
+        """
+        sizes = [n for n in set(self._fitted[0]) | set(self.learned_chain) if n >= 2]
+        if not sizes:
+            return self.prior_slope
+        return min(self.ratio(n) / n for n in sizes)
+
     def draft_cost(self, k: int) -> float:
         """Seconds to draft ``k`` tokens: zero until measured (prompt lookup stays ~zero; a
         draft model or self-speculation costs a fraction of a target pass per token)."""

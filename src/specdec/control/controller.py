@@ -34,6 +34,16 @@ drafted were accepted is probed only every ``HOPELESS_PROBE_FACTOR * max_probe_e
 adaptive speculator and the static one it must beat) is not chosen while its first-position
 acceptance is below the guard's; it is still probed.
 
+Catch-up: a draft model that has not drafted for a while must first read the committed tokens
+it has not seen (at a request's start, the whole prompt: seconds for a RAG prompt on a CPU).
+That is paid once, not per drafted token, so it is priced against the tokens the request has
+left: the arm's rate becomes ``R / (R / rate + C)`` for ``R`` remaining tokens and catch-up
+``C`` (measured per token read, or before that the draft's per-token cost times the target's
+per-token cost of a long pass, :meth:`CostModel.prefill_ratio`). A probe that needs a catch-up
+is made only when ``C`` is at most ``EXPLORE_SHARE`` of what the arm could save over those
+``R`` tokens if everything it drafted were accepted: a short prompt is worth the look, a
+741-token one is not when 128 tokens are left (:meth:`Controller._worth_exploring`).
+
 Every decision is a function of acceptance outcomes and the cost model alone; with a frozen
 cost model (sampled requests) and fresh estimates it is reproducible for a given seed.
 """
@@ -48,6 +58,7 @@ from specdec.errors import ConfigError
 from specdec.tree import DraftTree
 
 HOPELESS_PROBE_FACTOR = 8  # an arm that cannot pay even at full acceptance: probes this rarer
+EXPLORE_SHARE = 0.25  # a probe may spend this share of the arm's best-case saving on catch-up
 
 
 def size_class(tree: DraftTree) -> int:
@@ -128,6 +139,7 @@ class ArmState:
     alphas: list[float]  # on-demand arms, chains and small trees
     buckets: dict[int, list[float]] = field(default_factory=dict)  # larger offered trees
     draft_seconds: float | None = None  # measured, per token (chains) or per step (trees)
+    catch_up_seconds: float | None = None  # measured, per committed token read (draft models)
     nodes: float = 0.0  # trees: moving averages of drafted nodes and depth
     depth: float = 0.0
     chosen: int = 0
@@ -215,6 +227,48 @@ class Controller:
         mine, theirs = self.state[spec.name], self.state[spec.guard]
         return mine.observed > 0 and theirs.observed > 0 and mine.alphas[0] < theirs.alphas[0]
 
+    def _best_case_rate(self, spec: ArmSpec, cap: int) -> float:
+        """The arm's rate if every token it drafted were accepted."""
+        st = self.state[spec.name]
+        certain = [1.0] * len(st.alphas)
+        if spec.tree:
+            nodes, depth = max(1, round(st.nodes)), max(1, round(st.depth))
+            return self._tree_rate(spec, min(depth, nodes), nodes + 1, alphas=certain)
+        return self._chain_best(spec, cap, alphas=certain)[1]
+
+    def catch_up_cost(self, spec: ArmSpec, tokens: int) -> float:
+        """Seconds for ``spec`` to read ``tokens`` committed tokens before it can draft: as
+        measured per token, or (unmeasured, or sampled requests' frozen costs) its per-token
+        drafting cost times the target's per-token cost of a long pass, since a draft model
+        reads a gap in one pass as the target reads a prompt."""
+        if tokens <= 0 or not spec.on_demand:
+            return 0.0
+        measured = self.state[spec.name].catch_up_seconds
+        if measured is not None and not self.costs.frozen:
+            return measured * tokens
+        st = self.state[spec.name]
+        per_token = (
+            st.draft_seconds
+            if st.draft_seconds is not None and not spec.tree and not self.costs.frozen
+            else spec.draft_cost * self.costs.cost(1)
+        )
+        return per_token * self.costs.prefill_ratio() * tokens
+
+    def _worth_exploring(
+        self, spec: ArmSpec, cap: int, plain: float, catch_up: float, remaining: int
+    ) -> bool:
+        """Whether a probe that first costs ``catch_up`` seconds is worth making: the catch-up
+        is at most EXPLORE_SHARE of what the arm would save over the ``remaining`` tokens at
+        full acceptance. Why not the estimates: a probe exists to correct them; why not the
+        best case alone: at full acceptance a draft can look worth a 741-token catch-up with
+        128 tokens left (it would save 64 of 128 steps, the catch-up costs ~59), and at the
+        acceptance it really gets (a RAG answer) that probe cost 2.6 s of a 5.6 s answer."""
+        best = self._best_case_rate(spec, cap)
+        if best <= 0.0:
+            return False
+        saving = remaining / plain - remaining / best
+        return catch_up <= EXPLORE_SHARE * saving
+
     def _hopeless(self, spec: ArmSpec, cap: int, plain: float) -> bool:
         """Whether an on-demand arm would lose to plain decoding even if every token it drafted
         were accepted, at its measured drafting time and the cost model's verification.
@@ -228,13 +282,7 @@ class Controller:
         st = self.state[spec.name]
         if not spec.on_demand or st.draft_seconds is None or cap < 1:
             return False
-        certain = [1.0] * len(st.alphas)
-        if spec.tree:
-            nodes, depth = max(1, round(st.nodes)), max(1, round(st.depth))
-            best = self._tree_rate(spec, min(depth, nodes), nodes + 1, alphas=certain)
-        else:
-            best = self._chain_best(spec, cap, alphas=certain)[1]
-        return best <= plain
+        return self._best_case_rate(spec, cap) <= plain
 
     def option(self, spec: ArmSpec, offer: object | None, cap: int) -> tuple[int, float, int]:
         """(size, rate, confidence class) of drafting with ``spec`` this step; size 0 when it
@@ -253,12 +301,22 @@ class Controller:
             return nodes, self._tree_rate(spec, min(depth, nodes), nodes + 1), 0
         return (*self._chain_best(spec, cap), 0)
 
-    def choose(self, offers: Mapping[str, object] | None = None, cap: int | None = None) -> Choice:
+    def choose(
+        self,
+        offers: Mapping[str, object] | None = None,
+        cap: int | None = None,
+        *,
+        remaining: int | None = None,
+        pending: Mapping[str, int] | None = None,
+    ) -> Choice:
         """The best arm and size for this step (``Choice(None)``: draft nothing).
 
         ``offers`` maps offered arms to the draft they proposed this step; ``cap`` bounds
-        chain lengths (the request's remaining tokens and context)."""
+        chain lengths (the request's remaining tokens and context). ``pending``: committed
+        tokens each on-demand arm must read before drafting (its catch-up), priced over the
+        request's ``remaining`` tokens (both or neither; see the module doc)."""
         offers = offers or {}
+        pending = pending or {}
         cap = self.config.max_draft if cap is None else max(0, min(cap, self.config.max_draft))
         plain = 1.0 / self.costs.cost(1)
         best = Choice(None, 0, plain)
@@ -268,6 +326,11 @@ class Controller:
             size, rate, bucket = self.option(spec, offers.get(spec.name), cap)
             if size == 0 and not (spec.on_demand and cap > 0):
                 continue
+            catch_up = 0.0
+            if remaining is not None and remaining > 0:
+                catch_up = self.catch_up_cost(spec, pending.get(spec.name, 0))
+            if catch_up > 0.0 and rate > 0.0:  # paid once, over the tokens left
+                rate = 1.0 / (1.0 / rate + catch_up / remaining)  # type: ignore[operator]
             available.append(spec.name)
             if size > 0 and rate > best.rate and not self._blocked(spec):
                 best = Choice(spec.name, size, rate, bucket=bucket)
@@ -275,6 +338,8 @@ class Controller:
             due = probe is None and cap > 0 and st.since_chosen >= st.probe_interval
             if due and st.since_chosen < HOPELESS_PROBE_FACTOR * self.config.max_probe_every:
                 due = not self._hopeless(spec, cap, plain)  # priced only when a probe is due
+            if due and catch_up > 0.0:
+                due = self._worth_exploring(spec, cap, plain, catch_up, remaining or 0)
             if due:
                 probe_size = size if spec.tree or size == 0 else 1
                 probe = Choice(spec.name, max(1, probe_size), rate, True, bucket)
@@ -341,6 +406,18 @@ class Controller:
         d = self.costs.decay
         st.draft_seconds = (
             unit if st.draft_seconds is None else d * st.draft_seconds + (1 - d) * unit
+        )
+
+    def observe_catch_up(self, arm: str, tokens: int, seconds: float) -> None:
+        """Measured catch-up: ``seconds`` to read ``tokens`` committed tokens; ignored when
+        the cost model is frozen (sampled requests never depend on timing)."""
+        if self.costs.frozen or tokens < 1 or not seconds > 0 or arm not in self.state:
+            return
+        st = self.state[arm]
+        unit = seconds / tokens
+        d = self.costs.decay
+        st.catch_up_seconds = (
+            unit if st.catch_up_seconds is None else d * st.catch_up_seconds + (1 - d) * unit
         )
 
     def counts(self) -> dict[str, int]:

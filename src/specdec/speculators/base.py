@@ -48,6 +48,7 @@ class DraftContext:
     costs: CostModel | None = None
     constraint: GrammarConstraint | None = None
     fixed_length: bool = False  # the engine drafts exactly the budget (adaptive=False)
+    remaining: int | None = None  # tokens the request may still generate (None: unknown)
 
     def tree_cost(self, nodes: int) -> float:
         """Verification cost of a tree of ``nodes`` nodes (root included) in plain steps.
@@ -138,6 +139,12 @@ class Speculator:
         drafts in a step, and the engine then only caps that by the request's remaining tokens
         and context room. ``None`` (the default): the engine's budget sizes the draft."""
         return None
+
+    def pending_catch_up(self, context: DraftContext) -> int:
+        """Committed tokens this speculator would read before its next draft (a draft model
+        that has not seen the prompt, or the steps it skipped), beyond the one or two every
+        draft reads: what the ``auto`` controller prices as a one-off cost. 0 by default."""
+        return 0
 
     def catch_up_seconds(self) -> float:
         """Seconds of the last :meth:`propose` spent catching up on committed context (a draft

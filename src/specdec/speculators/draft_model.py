@@ -417,6 +417,12 @@ class DraftModelSpeculator(Speculator):
         self._skipped = 0
         return False
 
+    def pending_catch_up(self, context: DraftContext) -> int:
+        """The tokens :meth:`_catch_up_forward` would read in its catch-up pass."""
+        tokens = context.tokens
+        keep = min(common_prefix_len(self.runner.cache.tokens, tokens), len(tokens) - 1)
+        return len(tokens) - keep - 1 if len(tokens) - keep > 2 else 0
+
     def _catch_up_forward(self, tokens: list[int]) -> torch.Tensor:
         """The draft's logits after the committed ``tokens`` (``[1, V]``): its cache keeps the
         common prefix, and at least the last committed token is fed. A longer gap (a prompt,
