@@ -185,6 +185,7 @@ def ours(engine, prompt: str, n: int, speculate: bool) -> dict[str, Any]:
         "prefill_s": s.prefill_seconds,
         "seconds": s.seconds,
         "prompt_tokens": s.prompt_tokens,
+        "choices": dict(s.choices),  # auto: steps each arm drafted ("none": plain steps)
     }
 
 
