@@ -304,6 +304,19 @@ def test_cli_trains_a_draft(tiny_model_dir: Path, data_dir: Path, tmp_path: Path
     assert (out / "model.safetensors").is_file()
 
 
+def test_cli_trains_a_draft_on_several_data_directories(tiny, data_dir, tmp_path: Path):
+    """``--data`` repeats, as for eagle and medusa; one directory twice is refused."""
+    more = tmp_path / "more"
+    generate_data(tiny, data_dir.parent / "prompts.jsonl", more, max_new_tokens=8, batch_size=16)
+    base = ["train", "draft", "--model", str(tiny.source), "--out", str(tmp_path / "o"),
+            "--layers", "1", "--max-steps", "2", "--batch-tokens", "256"]  # fmt: skip
+    result = CliRunner().invoke(app, [*base, "--data", str(data_dir), "--data", str(more)])
+    assert result.exit_code == 0, result.output
+    assert "draft saved" in result.output
+    twice = CliRunner().invoke(app, [*base, "--data", f"{data_dir},{data_dir}"])
+    assert twice.exit_code == 2 and "given twice" in twice.output, twice.output
+
+
 @pytest.mark.parametrize(
     "extra,words",
     [

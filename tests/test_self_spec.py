@@ -8,6 +8,7 @@ layer-subset draft against a manual forward, spec parsing, and the trained exit 
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -232,6 +233,32 @@ def data_dir(tiny, tmp_path_factory) -> Path:
     out = root / "sd"
     generate_data(tiny, prompts, out, max_new_tokens=16, batch_size=8, shard_size=16)
     return out
+
+
+def test_train_self_reads_several_data_directories(tiny, data_dir, tmp_path):
+    """``--data`` repeats (as for eagle and medusa): a second directory answering the same
+    prompts adds its positions; the same directory twice is refused, not counted double."""
+    more = tmp_path / "more"
+    generate_data(tiny, data_dir.parent / "prompts.jsonl", more, max_new_tokens=8, batch_size=8)
+
+    def positions(*dirs: Path) -> int:
+        args = ["train", "self", "--layer", "2", "--out", str(tmp_path / f"o{len(dirs)}"),
+                "--max-steps", "1", "--batch", "16", "--model", str(tiny.source)]  # fmt: skip
+        for d in dirs:
+            args += ["--data", str(d)]
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 0, result.output
+        train, held = re.search(r"\((\d+) train / (\d+) held-out", result.output).groups()
+        return int(train) + int(held)
+
+    one, both = positions(data_dir), positions(data_dir, more)
+    assert both > one
+    twice = CliRunner().invoke(
+        app,
+        ["train", "self", "--layer", "2", "--out", str(tmp_path / "t"), "--model",
+         str(tiny.source), "--data", f"{data_dir},{data_dir}"],
+    )  # fmt: skip
+    assert twice.exit_code == 2 and "given twice" in twice.output, twice.output
 
 
 def test_trained_exit_end_to_end(tiny, data_dir, tmp_path, other_vocab_model_dir):

@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from specdec.cli.common import (
     CategoriesOpt,
-    DataOpt,
+    DataDirsOpt,
     DtypeOpt,
     ExcludeCategoriesOpt,
     GgufOpt,
@@ -18,6 +18,7 @@ from specdec.cli.common import (
     ModelOpt,
     ResumeOpt,
     ThreadsOpt,
+    data_dirs,
     err_console,
     select_categories,
     user_errors,
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 
 
 def draft(
-    data: DataOpt,
+    data: DataDirsOpt,
     out: Annotated[
         Path,
         typer.Option("--out", help="Output: a Hugging Face model directory (+ checkpoint/)."),
@@ -96,11 +97,15 @@ def draft(
 
     with user_errors():
         loaded = load_target(model, gguf, dtype, threads)
-        source: Path | SelfDistilledData = data
-        if categories or exclude_categories:
-            from specdec.training.data import load_data
+        dirs = data_dirs(data)
+        source: Path | SelfDistilledData
+        if len(dirs) == 1 and not (categories or exclude_categories):
+            source = dirs[0]  # a path: the run records its manifest
+        else:
+            from specdec.training.data import load_data_dirs
 
-            source = select_categories(load_data(data, loaded), categories, exclude_categories)
+            dataset = load_data_dirs(dirs, loaded)
+            source = select_categories(dataset, categories, exclude_categories)
         result = train_draft(
             loaded,
             source,

@@ -11,7 +11,7 @@ from tqdm import tqdm
 from specdec.cli.common import (
     BatchOpt,
     CategoriesOpt,
-    DataOpt,
+    DataDirsOpt,
     DtypeOpt,
     ExcludeCategoriesOpt,
     GgufOpt,
@@ -19,6 +19,7 @@ from specdec.cli.common import (
     ModelOpt,
     ResumeOpt,
     ThreadsOpt,
+    data_dirs,
     err_console,
     select_categories,
     user_errors,
@@ -26,7 +27,7 @@ from specdec.cli.common import (
 
 
 def self_exit(
-    data: DataOpt,
+    data: DataDirsOpt,
     layer: Annotated[int, typer.Option("--layer", help="Exit after this many target layers.")],
     out: Annotated[Path, typer.Option("--out", help="Adapter directory to write.")],
     rank: Annotated[
@@ -58,7 +59,7 @@ def self_exit(
     Use it with `--speculator self:adapter:OUT`, or let `specdec calibrate self`
     compare it with layer-skip drafts."""
     from specdec.cli.common import load_target
-    from specdec.training.data import load_data
+    from specdec.training.data import load_data_dirs
     from specdec.training.self_exit import SelfExitTrainConfig, train_self_exit
 
     with user_errors():
@@ -73,7 +74,9 @@ def self_exit(
             seed=seed,
         )
         loaded = load_target(model, gguf, dtype, threads)
-        dataset = select_categories(load_data(data, loaded), categories, exclude_categories)
+        dataset = select_categories(
+            load_data_dirs(data_dirs(data), loaded), categories, exclude_categories
+        )
         result = train_self_exit(loaded, dataset, out, config, resume=resume, progress=tqdm)
     err_console.print(
         f"saved {out} after {result.steps} steps in {result.seconds:.0f} s "
