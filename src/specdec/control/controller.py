@@ -326,11 +326,10 @@ class Controller:
             size, rate, bucket = self.option(spec, offers.get(spec.name), cap)
             if size == 0 and not (spec.on_demand and cap > 0):
                 continue
-            catch_up = 0.0
-            if remaining is not None and remaining > 0:
-                catch_up = self.catch_up_cost(spec, pending.get(spec.name, 0))
+            left = remaining if remaining is not None and remaining > 0 else 0
+            catch_up = self.catch_up_cost(spec, pending.get(spec.name, 0)) if left else 0.0
             if catch_up > 0.0 and rate > 0.0:  # paid once, over the tokens left
-                rate = 1.0 / (1.0 / rate + catch_up / remaining)  # type: ignore[operator]
+                rate = 1.0 / (1.0 / rate + catch_up / left)
             available.append(spec.name)
             if size > 0 and rate > best.rate and not self._blocked(spec):
                 best = Choice(spec.name, size, rate, bucket=bucket)
@@ -339,7 +338,7 @@ class Controller:
             if due and st.since_chosen < HOPELESS_PROBE_FACTOR * self.config.max_probe_every:
                 due = not self._hopeless(spec, cap, plain)  # priced only when a probe is due
             if due and catch_up > 0.0:
-                due = self._worth_exploring(spec, cap, plain, catch_up, remaining or 0)
+                due = self._worth_exploring(spec, cap, plain, catch_up, left)
             if due:
                 probe_size = size if spec.tree or size == 0 else 1
                 probe = Choice(spec.name, max(1, probe_size), rate, True, bucket)
