@@ -17,6 +17,7 @@ import torch
 from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import Cache, DummyLayer, DynamicLayer
 
+from specdec.cache.buffer import BufferLayer
 from specdec.cache.layout import AttentionLayout
 from specdec.errors import UnsupportedModelError
 
@@ -35,8 +36,8 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class _FullCache(DynamicCache):
-    """A ``DynamicCache`` over given layers: a full ``DynamicLayer`` for every attention layer,
-    sliding ones included (transformers would give those an evicting sliding layer)."""
+    """A ``DynamicCache`` over given layers: a full :class:`BufferLayer` for every attention
+    layer, sliding ones included (transformers would give those an evicting sliding layer)."""
 
     def __init__(self, layout: AttentionLayout) -> None:
         Cache.__init__(self, layers=layout.cache_layers())
@@ -65,7 +66,7 @@ class KVCache:
         """Only full-attention layers (sliding ones are kept whole) can be cropped and compacted
         exactly; run after a forward, to catch a model that replaced our cache layers."""
         for layer in self.hf.layers:
-            if type(layer) not in (DynamicLayer, DummyLayer):
+            if type(layer) not in (BufferLayer, DynamicLayer, DummyLayer):
                 raise UnsupportedModelError(
                     f"this model's cache uses {type(layer).__name__} layers, which cannot be "
                     "rolled back exactly; speculative decoding needs a decoder of full or "
@@ -90,6 +91,7 @@ class KVCache:
             self.hf.crop(-drop)
             del self.tokens[length:]
 
+    @torch.inference_mode()  # written in place, and the runner's entries are inference tensors
     def commit(self, start: int, keep: Sequence[int]) -> None:
         """Keep, of the entries written from ``start`` on, those at offsets ``keep`` (ascending).
 
@@ -103,6 +105,7 @@ class KVCache:
         if keep == list(range(len(keep))):
             self.rollback(start + len(keep))
             return
+        end = start + len(keep)
         moved: dict[torch.device, torch.Tensor] = {}  # one host-to-device copy per device
         for layer in self.hf.layers:
             if not isinstance(layer, DynamicLayer) or layer.keys is None or layer.values is None:
@@ -111,8 +114,10 @@ class KVCache:
             if device not in moved:
                 moved[device] = torch.tensor(keep, dtype=torch.long, device=device) + start
             idx = moved[device]
-            layer.keys = torch.cat([layer.keys[..., :start, :], layer.keys[..., idx, :]], dim=-2)
-            layer.values = torch.cat(
-                [layer.values[..., :start, :], layer.values[..., idx, :]], dim=-2
-            )
+            # in place (the gather copies before the write), then a shorter view: a buffer
+            # layer keeps its buffers, and nothing the size of the context is copied
+            layer.keys[..., start:end, :] = layer.keys[..., idx, :]
+            layer.values[..., start:end, :] = layer.values[..., idx, :]
+            layer.keys = layer.keys[..., :end, :]
+            layer.values = layer.values[..., :end, :]
         self.tokens = self.tokens[:start] + [self.tokens[start + k] for k in keep]

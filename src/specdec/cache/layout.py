@@ -3,7 +3,7 @@
 Hugging Face builds a ``DynamicSlidingWindowLayer`` for every sliding-window layer: it keeps only
 the last ``window`` keys/values, so a rejected draft that pushed older entries out cannot be
 undone, and a tree's accepted path cannot be compacted. specdec instead keeps *every* layer's
-keys and values for the whole context in plain ``DynamicLayer`` objects and gives the sliding
+keys and values for the whole context in full (never evicting) layers and gives the sliding
 layers their own windowed attention mask (:mod:`specdec.target.masks`), which computes exactly
 what the windowed cache would, at the price of memory that grows with the context rather than
 the window (see docs/models.md).
@@ -20,11 +20,11 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import (
     CacheLayerMixin,
     DummyLayer,
-    DynamicLayer,
     LinearAttentionCacheLayerMixin,
     get_layer_types_and_kwargs,
 )
 
+from specdec.cache.buffer import BufferLayer
 from specdec.errors import UnsupportedModelError
 
 FULL = "full_attention"
@@ -101,6 +101,7 @@ class AttentionLayout:
         return len(self.mask_types) > 1
 
     def cache_layers(self) -> list[CacheLayerMixin | LinearAttentionCacheLayerMixin | DummyLayer]:
-        """Fresh cache layers: a full ``DynamicLayer`` for every attention layer, sliding or
-        not (never evicting, so crop and compaction stay exact)."""
-        return [DummyLayer() if kind == EMPTY else DynamicLayer() for kind in self.layer_types]
+        """Fresh cache layers: a full :class:`BufferLayer` (a ``DynamicLayer`` writing in place)
+        for every attention layer, sliding or not (never evicting, so crop and compaction stay
+        exact)."""
+        return [DummyLayer() if kind == EMPTY else BufferLayer() for kind in self.layer_types]
