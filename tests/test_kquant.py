@@ -28,6 +28,7 @@ from specdec.target.kquant import KQuantLinear, attach_blocks, extension
 from specdec.target.loading import LoadedModel
 from specdec.target.lowbit import SCHEMES, use_rowwise_attention
 from specdec.target.numerics import _swap_linears, dense_weight
+from specdec.tree import DraftTree
 
 KINDS = {"Q4_K": (144, GGMLQuantizationType.Q4_K), "Q6_K": (210, GGMLQuantizationType.Q6_K)}
 
@@ -123,10 +124,13 @@ def test_the_simd_and_portable_paths_agree():
         assert torch.allclose(simd, portable, rtol=1e-5, atol=1e-5 * portable.abs().max().item())
 
 
-def _kquant_model(tiny_tokenizer_dir: Path, tmp_path: Path, seed: int) -> LoadedModel:
+def _kquant_model(
+    tiny_tokenizer_dir: Path, tmp_path: Path, seed: int, lean: bool = False
+) -> LoadedModel:
     """A 2-layer llama-shaped model (hidden 256, every width a multiple of 256) whose linears
     are random Q4_K (attention, gate/up, head) and Q6_K (v, down) blocks, as a Q4_K_M file
-    mixes them; the fp32 checkpoint holds their exact dequantisation."""
+    mixes them; the fp32 checkpoint holds their exact dequantisation. ``lean``: with the
+    kquant modules of :mod:`specdec.target.kquant_layers`, as ``load_model`` gives them."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
@@ -153,13 +157,16 @@ def _kquant_model(tiny_tokenizer_dir: Path, tmp_path: Path, seed: int) -> Loaded
     attach_blocks(model, blocks, "test blocks")
     _swap_linears(model, SCHEMES["kquant"].make)
     use_rowwise_attention(model)
+    if lean:
+        SCHEMES["kquant"].after_swap(model)
     return LoadedModel(
         model=model, tokenizer=tok, source="test", numerics="kquant", dtype_name="kquant"
     )
 
 
-def test_the_whole_forward_is_row_invariant(tiny_tokenizer_dir, tmp_path):
-    loaded = _kquant_model(tiny_tokenizer_dir, tmp_path, seed=5)
+@pytest.mark.parametrize("lean", [False, True], ids=["hf-modules", "lean-modules"])
+def test_the_whole_forward_is_row_invariant(tiny_tokenizer_dir, tmp_path, lean):
+    loaded = _kquant_model(tiny_tokenizer_dir, tmp_path, seed=5, lean=lean)
     assert all(not isinstance(m, nn.Linear) for m in loaded.model.modules()), (
         "every linear runs the kernel"
     )
@@ -171,13 +178,19 @@ def test_the_whole_forward_is_row_invariant(tiny_tokenizer_dir, tmp_path):
     runner.cache.rollback(len(prompt))
     alone = torch.cat([runner.forward([t]) for t in chunk])
     assert torch.equal(together, alone)
+    # a tree's branch gets the bits of its own chain (attention over the keys it may see)
+    runner.cache.rollback(len(prompt))
+    tree = runner.forward_tree(DraftTree(tokens=(17, 23, 5, 99), parents=(-1, 0, 0, 2)))
+    runner.cache.rollback(len(prompt))
+    assert torch.equal(tree[[0, 2, 3]], runner.forward([17, 5, 99]))
 
 
+@pytest.mark.parametrize("lean", [False, True], ids=["hf-modules", "lean-modules"])
 @pytest.mark.parametrize("spec", ["prompt-lookup", "draft:model=DRAFT,dtype=float32"])
 def test_greedy_speculation_equals_plain_under_kquant(
-    tiny_tokenizer_dir, tiny_draft_dir, tmp_path, spec
+    tiny_tokenizer_dir, tiny_draft_dir, tmp_path, spec, lean
 ):
-    target = _kquant_model(tiny_tokenizer_dir, tmp_path, seed=6)
+    target = _kquant_model(tiny_tokenizer_dir, tmp_path, seed=6, lean=lean)
     engine = SpeculativeEngine.from_pretrained(
         target,
         speculator=spec.replace("DRAFT", str(tiny_draft_dir)),

@@ -47,11 +47,11 @@ def extension() -> ModuleType:
     """The compiled kernel; a ConfigError naming the fix where it cannot be built."""
     from torch.utils import cpp_extension
 
-    source = Path(__file__).with_name("csrc") / "kquant.cpp"
+    csrc = Path(__file__).with_name("csrc")
     try:
         return cpp_extension.load(
             name="specdec_kquant",
-            sources=[str(source)],
+            sources=[str(csrc / "kquant.cpp"), str(csrc / "layer.cpp")],
             extra_cflags=["-O3", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(_ext_dir()),
@@ -194,12 +194,17 @@ class KQuantLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != torch.float32:
             x2 = x2.float()
+        return self.mm(x2).view(*x.shape[:-1], self.out_features)
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer on float32 rows ``[rows, in]`` -> ``[rows, out]``, without the module
+        call (the lean decoder layers call it a few hundred times a step)."""
         y = extension().kquant_mm(
-            x2, self.codes, self.meta, self.d, self.dmin, self.kind == "Q6_K", False
+            x, self.codes, self.meta, self.d, self.dmin, self.kind == "Q6_K", False
         )
         if self.bias is not None:
             y += self.bias
-        return y.view(*x.shape[:-1], self.out_features)
+        return y
 
     def weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.meta, self.d, self.dmin))

@@ -462,6 +462,12 @@ def _kquant_linear(linear: nn.Linear) -> nn.Module:
     return KQuantLinear.from_attached(linear)
 
 
+def _kquant_lean_layers(model: nn.Module) -> None:
+    from specdec.target.kquant_layers import use_lean_layers
+
+    use_lean_layers(model)
+
+
 def _require_kquant() -> None:
     import warnings
 
@@ -525,6 +531,7 @@ SCHEMES: dict[str, LowBitScheme] = {
             hint="Use int8-dynamic, which takes any shape.",
             kernels="specdec's Q4_K/Q6_K CPU kernel (compiled on first use)",
             requires=_require_kquant,
+            after_swap=_kquant_lean_layers,
         ),
     )
 }

@@ -330,7 +330,10 @@ torch::Tensor kquant_mm(torch::Tensor x, torch::Tensor codes, torch::Tensor meta
 
 }  // namespace
 
+void register_layer_ops(pybind11::module& m);  // layer.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kquant_mm", &kquant_mm, "rows x GGUF Q4_K / Q6_K weights, int8 activation blocks");
   m.def("has_simd", &have_avx512, "whether the AVX-512 VNNI path runs on this CPU");
+  register_layer_ops(m);
 }

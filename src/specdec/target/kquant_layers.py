@@ -1,0 +1,311 @@
+"""Lean attention, MLP and RMSNorm modules for ``--dtype kquant`` models of the Qwen2/Llama
+family, swapped in for Hugging Face's, and a lean decoder-layer forward over them.
+
+Why: at one to eight rows a decode step's linears take ~26 ms on the Qwen2.5-Coder 1.5B, and
+HF's modules around them took another 10-13 ms, mostly per-operator dispatch and Python (about
+40 torch operators a layer: RMSNorm's pow/mean/rsqrt chain, RoPE's ``rotate_half`` with its
+``cat``, 8 per row and head group in row-wise attention, six module calls). Here:
+
+- q/k/v (and gate/up) whose GGUF blocks are of one kind run as one kernel call over their
+  concatenated rows (the layers keep views of the fused rows, so nothing is stored twice):
+  one activation rounding instead of three. The kernel computes each output channel from its
+  own rows, so the fused call gives every channel the bits the separate calls gave it.
+- RMSNorm, RoPE and attention are one call each into the extension (``csrc/layer.cpp``);
+  RMSNorm and RoPE give HF's bits (tested), so a prefill's logits are what they were.
+- The decoder layer's forward calls them directly (:class:`LeanDecoderLayer`), without a
+  module call per norm, attention and MLP.
+
+Attention sums in another order than torch's ``bmm`` (AVX-512, scores of a kv head's query
+heads together), so verification and decoding logits differ from before by float rounding;
+decoding bench/lowbit.py's fixed text in 8-token passes gave perplexity 13.45 against 13.42 and
+the same argmax at 98% of positions (bench/kquant_rest.py --quality), where one RMSNorm
+summation order against another moves it as much: int8 activation rounding amplifies any
+rounding difference.
+
+Losslessness is unchanged: every one of these computes a row from that row alone, in the same
+order whatever the number of rows (attention over the keys the row may see, in cache order), so
+a k-row verification pass still gives each row the logits of a one-row step (tested bit for
+bit). Passes of more than ``ROWWISE_MAX_ROWS`` rows (a prompt's prefill) and batches of several
+sequences take the row-wise attention path of :mod:`specdec.target.lowbit`, as before.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from specdec.target import kquant
+from specdec.target.kquant import KQuantLinear
+from specdec.target.lowbit import ROWWISE_MAX_ROWS, rowwise_sdpa_attention
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+
+
+class FusedRows:
+    """One or more :class:`KQuantLinear` of one kind as one kernel call over their stacked rows.
+
+    Not a module: the original layers stay in the model (the same paths, the same weight
+    bytes), their tensors turned into views of the stacked ones."""
+
+    def __init__(self, linears: Sequence[KQuantLinear]) -> None:
+        kinds = {lin.kind for lin in linears}
+        if len(kinds) != 1 or len({lin.in_features for lin in linears}) != 1:
+            raise ValueError("fused linears need one kind and one input width")
+        self.widths = [lin.out_features for lin in linears]
+        if len(linears) == 1:
+            self.linear = linears[0]
+            return
+        biases = [lin.bias for lin in linears]
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat(
+                [
+                    torch.zeros(w) if b is None else b
+                    for b, w in zip(biases, self.widths, strict=True)
+                ]
+            )
+        names = ("codes", "meta", "d") + (("dmin",) if linears[0].kind == "Q4_K" else ())
+        parts = {name: torch.cat([getattr(lin, name) for lin in linears]) for name in names}
+        parts.setdefault("dmin", linears[0].dmin)  # Q6_K has none (an empty tensor)
+        self.linear = KQuantLinear(linears[0].kind, parts, linears[0].in_features, bias)
+        offset = 0
+        for lin, width in zip(linears, self.widths, strict=True):
+            for name in names:
+                setattr(lin, name, getattr(self.linear, name)[offset : offset + width])
+            if lin.bias is not None:
+                assert self.linear.bias is not None
+                lin.bias = self.linear.bias[offset : offset + width]
+            offset += width
+
+    def __call__(self, x: torch.Tensor) -> Sequence[torch.Tensor]:
+        """The outputs of each fused layer for float32 rows ``x`` ``[rows, K]``, as column
+        views."""
+        y = self.linear.mm(x)
+        return (y,) if len(self.widths) == 1 else y.split(self.widths, 1)
+
+
+def fuse_runs(linears: Sequence[KQuantLinear]) -> list[FusedRows]:
+    """Consecutive layers of one kind fused (q/k are Q4_K and v is Q4_K or Q6_K depending on
+    the layer in a Q4_K_M file)."""
+    groups: list[list[KQuantLinear]] = []
+    for lin in linears:
+        if groups and groups[-1][0].kind == lin.kind:
+            groups[-1].append(lin)
+        else:
+            groups.append([lin])
+    return [FusedRows(g) for g in groups]
+
+
+def _apply(groups: Sequence[FusedRows], x: torch.Tensor) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for g in groups:
+        out.extend(g(x))
+    return out
+
+
+class KQuantRMSNorm(nn.Module):
+    """HF's Qwen2/Llama RMSNorm (fp32) as one extension call."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.weight = norm.weight
+        self.variance_epsilon = float(norm.variance_epsilon)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return kquant.extension().rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+class KQuantAttention(nn.Module):
+    """Qwen2/Llama self-attention over kquant projections; the call signature and outputs of
+    HF's attention module, so the decoder layer that calls it is unchanged."""
+
+    def __init__(self, attn: nn.Module) -> None:
+        super().__init__()
+        self.config = attn.config
+        self.layer_idx = attn.layer_idx
+        self.head_dim = attn.head_dim
+        self.scaling = attn.scaling
+        self.is_causal = True
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
+            attn.q_proj,
+            attn.k_proj,
+            attn.v_proj,
+            attn.o_proj,
+        )
+        self._qkv = fuse_runs([self.q_proj, self.k_proj, self.v_proj])
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k (rotated) and v of one sequence's rows ``x`` ``[T, hidden]`` (float32), as
+        ``[T, heads, D]`` views of the fused outputs; cos/sin ``[T, D]``."""
+        d = self.head_dim
+        q, k, v = _apply(self._qkv, x)
+        q, k, v = q.view(q.shape[0], -1, d), k.view(k.shape[0], -1, d), v.view(v.shape[0], -1, d)
+        ext = kquant.extension()
+        ext.rope_(q, cos, sin)
+        ext.rope_(k, cos, sin)
+        return q, k, v
+
+    def attend(
+        self,
+        q: torch.Tensor,  # [T, heads, D]
+        k: torch.Tensor,  # [T, kv_heads, D]
+        v: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        cache: object | None,
+    ) -> torch.Tensor:
+        """Store one sequence's k/v in the cache and attend over it, row by row; returns the
+        o_proj input ``[T, heads * D]``."""
+        keys, values = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, kv_heads, T, D]
+        if cache is not None:
+            keys, values = cache.update(keys, values, self.layer_idx)  # type: ignore[attr-defined]
+        allowed = None
+        if attention_mask is not None:
+            allowed = attention_mask[0, 0]
+            if allowed.dtype != torch.bool:
+                allowed = allowed > torch.finfo(allowed.dtype).min / 2
+        return kquant.extension().attention(q, keys[0], values[0], allowed, self.scaling, False)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,  # [B, T, hidden]
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],  # cos, sin [B, T, head_dim]
+        attention_mask: torch.Tensor | None,  # [B or 1, 1, T, T_kv] bool, or None (causal)
+        cache: object | None = None,
+        **kwargs: object,
+    ) -> tuple[torch.Tensor, None]:
+        b, t, _ = hidden_states.shape
+        cos, sin = position_embeddings
+        x = hidden_states.reshape(b * t, -1).float()
+        if b == 1 and t <= ROWWISE_MAX_ROWS:
+            q, k, v = self.project(x, cos[0], sin[0])
+            out = self.attend(q, k, v, attention_mask, cache)
+        else:  # a prefill or a batch: HF's layout and the row-wise attention of lowbit
+            parts = [
+                self.project(
+                    x[bi * t : (bi + 1) * t],
+                    cos[min(bi, cos.shape[0] - 1)],
+                    sin[min(bi, sin.shape[0] - 1)],
+                )
+                for bi in range(b)
+            ]
+            q, k, v = (torch.stack([p[i] for p in parts]).transpose(1, 2) for i in range(3))
+            if cache is not None:
+                k, v = cache.update(k, v, self.layer_idx)  # type: ignore[attr-defined]
+            out, _ = rowwise_sdpa_attention(self, q, k, v, attention_mask, scaling=self.scaling)
+        return self.o_proj.mm(out.reshape(b * t, -1)).view(b, t, -1), None
+
+
+class KQuantMLP(nn.Module):
+    """The SiLU-gated MLP with gate/up as one kernel call where their kinds match."""
+
+    def __init__(self, mlp: nn.Module) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        self._gate_up = fuse_runs([self.gate_proj, self.up_proj])
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP of float32 rows ``[T, hidden]``."""
+        gate, up = _apply(self._gate_up, x)
+        return self.down_proj.mm(F.silu(gate).mul_(up))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rows(x.reshape(-1, x.shape[-1]).float()).view(*x.shape[:-1], -1)
+
+
+class LeanDecoderLayer:
+    """The decoder-layer forward for one sequence's verification or decoding pass (at most
+    ``ROWWISE_MAX_ROWS`` rows): HF's order of operations (norm, attention, residual, norm, MLP,
+    residual) as direct calls, without the six module calls and the reshaping around each.
+    Anything else (a prefill, a batch) takes HF's own forward over the lean modules.
+
+    Mixed into the model's own decoder-layer class (see :func:`use_lean_layers`), so the layer
+    is still an instance of it: transformers finds the layers whose outputs it records as
+    hidden states (EAGLE, Medusa read them) by that class."""
+
+    self_attn: KQuantAttention
+    mlp: KQuantMLP
+    input_layernorm: KQuantRMSNorm
+    post_attention_layernorm: KQuantRMSNorm
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,  # [B, T, hidden]
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: object | None = None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs: object,
+    ) -> torch.Tensor:
+        b, t, hidden = hidden_states.shape
+        if cache is None:  # the name transformers is deprecating, still accepted by HF's layer
+            cache = kwargs.pop("past_key_values", None)
+        if b != 1 or t > ROWWISE_MAX_ROWS or position_embeddings is None:
+            return super().forward(  # type: ignore[misc]
+                hidden_states,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=use_cache,
+                position_embeddings=position_embeddings,
+                **kwargs,
+            )
+        ext = kquant.extension()
+        attn, norm = self.self_attn, self.input_layernorm
+        x = hidden_states.view(t, hidden)
+        q, k, v = attn.project(
+            ext.rms_norm(x, norm.weight, norm.variance_epsilon),
+            position_embeddings[0][0],
+            position_embeddings[1][0],
+        )
+        x = x + attn.o_proj.mm(attn.attend(q, k, v, attention_mask, cache))
+        norm = self.post_attention_layernorm
+        x = x + self.mlp.rows(ext.rms_norm(x, norm.weight, norm.variance_epsilon))
+        return x.view(1, t, hidden)
+
+
+@functools.cache
+def _lean_class(cls: type) -> type:
+    return type(f"KQuant{cls.__name__}", (LeanDecoderLayer, cls), {"__module__": __name__})
+
+
+def _leanable(layer: nn.Module, config: object) -> bool:
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    projections = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    projections += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    norms = [getattr(layer, n, None) for n in ("input_layernorm", "post_attention_layernorm")]
+    return (
+        all(isinstance(p, KQuantLinear) for p in projections)
+        and all(hasattr(n, "variance_epsilon") and hasattr(n, "weight") for n in norms)
+        and all(hasattr(attn, a) for a in ("layer_idx", "head_dim", "scaling", "config"))
+        and getattr(config, "hidden_act", None) == "silu"
+    )
+
+
+def use_lean_layers(model: nn.Module) -> int:
+    """Swap in the lean modules on a kquant Qwen2/Llama model (after its linears became
+    :class:`KQuantLinear`); returns how many decoder layers changed (0: another family, or a
+    layer of a shape these modules do not know, which keeps HF's modules)."""
+    config = getattr(model, "config", None)
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES or layers is None:
+        return 0
+    if not all(_leanable(layer, config) for layer in layers):
+        return 0
+    for layer in layers:
+        # the same object, now of a subclass of its own class whose forward is the lean one
+        layer.__class__ = _lean_class(type(layer))
+        layer.self_attn = KQuantAttention(layer.self_attn)
+        layer.mlp = KQuantMLP(layer.mlp)
+        layer.input_layernorm = KQuantRMSNorm(layer.input_layernorm)
+        layer.post_attention_layernorm = KQuantRMSNorm(layer.post_attention_layernorm)
+    if hasattr(inner.norm, "variance_epsilon"):
+        inner.norm = KQuantRMSNorm(inner.norm)
+    return len(layers)
