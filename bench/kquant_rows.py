@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from lowbit import KS, forward_times  # noqa: E402 - the same interleaved T(k) as bench/lowbit.py
 
 
-def kernel_times(gguf: Path, repeats: int) -> dict[int, float]:
+def kernel_times(gguf: Path, repeats: int, path: int | None = None) -> dict[int, float]:
+    """The block linears alone; ``path`` forces a kernel path (1: AVX2, 2: AVX-512 VNNI)."""
     from gguf import GGUFReader
 
     from specdec.target.kquant import KQuantLinear, extension
@@ -45,9 +46,11 @@ def kernel_times(gguf: Path, repeats: int) -> dict[int, float]:
             t0 = time.perf_counter()
             for layer in layers:
                 x = xs[layer.in_features]
-                ext.kquant_mm(
-                    x, layer.codes, layer.meta, layer.d, layer.dmin, layer.kind == "Q6_K", False
-                )
+                args = (x, layer.codes, layer.meta, layer.d, layer.dmin, layer.kind == "Q6_K")
+                if path is None:
+                    ext.kquant_mm(*args, False)
+                else:
+                    ext.kquant_mm_on(*args, path)
             out[k].append(time.perf_counter() - t0)
     return {k: statistics.median(v) * 1e3 for k, v in out.items()}
 
@@ -100,6 +103,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--llama-bin", type=Path, default=None)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument(
+        "--avx2", action="store_true", help="also time the kernel's AVX2 path (kernel_avx2_ms)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from specdec.target.packs import pack_gguf
@@ -107,12 +113,15 @@ def main() -> None:
     gguf = Path(pack_gguf("qwen2.5-coder-1.5b"))
     result: dict[str, object] = {"threads": args.threads, "ks": list(KS)}
     result["kernel_ms"] = kernel_times(gguf, args.repeats)
+    if args.avx2:
+        result["kernel_avx2_ms"] = kernel_times(gguf, args.repeats, path=1)
     result["model_ms"] = model_times(args.repeats, stub=False)
     result["rest_ms"] = model_times(args.repeats, stub=True)
     if args.llama_bin:
         result["llama_cpp_ms"] = llama_times(args.llama_bin, gguf, args.threads)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    cols = [c for c in ("kernel_ms", "model_ms", "rest_ms", "llama_cpp_ms") if c in result]
+    names = ("kernel_ms", "kernel_avx2_ms", "model_ms", "rest_ms", "llama_cpp_ms")
+    cols = [c for c in names if c in result]
     print("| k | " + " | ".join(cols) + " |")
     print("|---:|" + "---:|" * len(cols))
     for k in KS:

@@ -114,7 +114,7 @@ def test_each_row_is_computed_alone_bit_for_bit(kind):
 def test_the_simd_and_portable_paths_agree():
     ext = extension()
     if not ext.has_simd():
-        pytest.skip("no AVX-512 VNNI on this CPU: only the portable path runs")
+        pytest.skip("no AVX2 or AVX-512 VNNI on this CPU: only the portable path runs")
     for kind in KINDS:
         layer = KQuantLinear.from_gguf(kind, random_blocks(kind, 32, 512, seed=4), 512)
         x = torch.randn(5, 512)
@@ -239,3 +239,35 @@ def test_a_real_q4_k_m_file_is_read_exactly():
         data = np.asarray(t.data)[:64]
         layer = KQuantLinear.from_gguf(t.tensor_type.name, data, int(t.shape[0]))
         assert torch.equal(layer.exact_weight(), torch.from_numpy(dequantize(data, t.tensor_type)))
+
+
+def test_the_avx2_path_gives_the_avx512_bits():
+    """CPUs with AVX2 but no AVX-512 VNNI (the 2026-12-03 EPYC) run the same lanes as two
+    256-bit halves, with maddubs/madd for the dot products: the same integers, the same
+    per-lane float sums and the same final reduction, so a file decodes to the same bits on
+    either machine. Includes the worst case for the 16-bit partial sums (every code at its
+    maximum, activations at +-127), where a saturating sum would show."""
+    ext = extension()
+    if ext.best_path() < 1:
+        pytest.skip("no AVX2 on this CPU: only the portable path runs")
+    code_bytes = {"Q4_K": slice(16, 144), "Q6_K": slice(0, 192)}
+    for kind in KINDS:
+        blocks = random_blocks(kind, 40, 768, seed=7)
+        worst = blocks.reshape(-1, KINDS[kind][0]).copy()
+        worst[:, code_bytes[kind]] = 0xFF
+        for b in (blocks, worst.reshape(40, -1)):
+            layer = KQuantLinear.from_gguf(kind, b, 768)
+            args = (layer.codes, layer.meta, layer.d, layer.dmin, kind == "Q6_K")
+            x = torch.randn(11, 768)
+            x[0], x[1] = 1.0, -1.0
+            avx2 = ext.kquant_mm_on(x, *args, 1)
+            alone = torch.cat([ext.kquant_mm_on(x[i : i + 1], *args, 1) for i in range(11)])
+            assert torch.equal(avx2, alone)  # row-invariant, as the AVX-512 path
+            if ext.best_path() == 2:
+                assert torch.equal(avx2, ext.kquant_mm_on(x, *args, 2)), kind
+            portable = ext.kquant_mm_on(x, *args, 0)
+            assert torch.allclose(
+                avx2, portable, rtol=1e-5, atol=1e-5 * portable.abs().max().item()
+            )
+    with pytest.raises(RuntimeError, match="does not run on this CPU"):
+        ext.kquant_mm_on(torch.randn(1, 768), *args, 3)

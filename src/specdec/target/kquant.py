@@ -4,7 +4,8 @@ kernel that keeps verification cheap (``csrc/kquant.cpp``).
 Why: llama.cpp decodes one token at memory speed, but its CPU kernels are bound by arithmetic
 from two rows on, so verifying k drafted tokens costs nearly k decode steps and speculation
 loses to its plain decoding (docs/2026-12-05-zen4-isa.md). This kernel unpacks each 256-weight
-super-block once and multiplies it with up to 8 rows by integer dot products (AVX-512 VNNI).
+super-block once and multiplies it with up to 8 rows by integer dot products (AVX-512 VNNI, or
+AVX2 with the same bits; ``extension().path_name()`` says which runs).
 
 Exactness: the weights are the file's codes and 6-bit sub-block scales as integers and its
 fp16 ``d``/``dmin`` held in fp32, so nothing is rounded a second time; activations are rounded

@@ -475,8 +475,8 @@ def _require_kquant() -> None:
 
     if not extension().has_simd():
         warnings.warn(
-            "dtype 'kquant': this CPU lacks AVX-512 VNNI, so the kernel runs its portable loop "
-            "(correct, but many times slower); --dtype gguf runs the file through llama.cpp",
+            "dtype 'kquant': this CPU lacks AVX2, so the kernel runs its portable loop (correct, "
+            "but many times slower); --dtype gguf runs the file through llama.cpp",
             stacklevel=2,
         )
 

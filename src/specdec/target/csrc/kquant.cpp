@@ -13,6 +13,9 @@
 // one integer multiply scales by its sub-block scale: 5 multiply instructions per row and
 // block, where unpacking to pair sums and scaling them took 8.
 //
+// Paths: AVX-512 VNNI (above); AVX2 (the same lanes in two 256-bit halves, maddubs + madd for
+// the dot products: the same bits, tested); a portable loop with the same integer arithmetic.
+//
 // Numerics (the same for every row count, so speculation stays lossless):
 // - activations: per row, per 256-block, rounded to int8 with scale amax / 127 (llama.cpp's
 //   Q8_K rule), plus the block's sums per 16 inputs for the affine "min" term;
@@ -28,6 +31,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 
 namespace {
 
@@ -37,15 +41,17 @@ constexpr int64_t PF_BLOCKS = 8;  // software prefetch distance, in super-blocks
 
 // Per row and 256-block: int8 codes, fp32 scale, int16 sums of 16 codes. Rounding is to
 // nearest even (the default mode) in both paths, so they give the same codes.
+// An all-zero block: scale 0, codes and sums 0 (no division by amax).
+inline void zero_block(int8_t* qb, float* d, int16_t* sb) {
+  *d = 0.f;
+  std::memset(qb, 0, QK);
+  std::memset(sb, 0, 16 * sizeof(int16_t));
+}
+
 void quantize_block_scalar(const float* xb, int8_t* qb, float* d, int16_t* sb) {
   float amax = 0.f;
   for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(xb[i]));
-  if (amax == 0.f) {
-    *d = 0.f;
-    std::memset(qb, 0, QK);
-    std::memset(sb, 0, 16 * sizeof(int16_t));
-    return;
-  }
+  if (amax == 0.f) return zero_block(qb, d, sb);
   const float iscale = 127.f / amax;
   for (int i = 0; i < QK; ++i) {
     int v = static_cast<int>(std::nearbyint(xb[i] * iscale));
@@ -65,12 +71,7 @@ KQ_TARGET void quantize_block_avx512(const float* xb, int8_t* qb, float* d, int1
   __m512 vmax = _mm512_setzero_ps();
   for (int i = 0; i < QK; i += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(xb + i)));
   const float amax = _mm512_reduce_max_ps(vmax);
-  if (amax == 0.f) {
-    *d = 0.f;
-    std::memset(qb, 0, QK);
-    std::memset(sb, 0, 16 * sizeof(int16_t));
-    return;
-  }
+  if (amax == 0.f) return zero_block(qb, d, sb);
   const float iscale = 127.f / amax;
   const __m512 vs = _mm512_set1_ps(iscale);
   alignas(64) int32_t sums[16];
@@ -95,15 +96,22 @@ bool have_avx512();
 
 // Also ``u`` = da * (sum of 16 codes) per 16-group: the factor of the "min" term, so the
 // kernel pays one multiply-add per row and block for it.
+void quantize_block_avx2(const float* xb, int8_t* qb, float* d, int16_t* sb);
+
+// The kernels, fastest first; each machine uses the best it has, unless a test asks.
+enum Path : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+
 void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* q, float* d, int16_t* bs,
-                   float* u, bool simd) {
+                   float* u, int path) {
   const int64_t nb = k / QK;
   alignas(64) int8_t natural[QK];
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t off = r * k + b * QK;
-      if (simd)
+      if (path == kAvx512)
         quantize_block_avx512(x + off, natural, d + r * nb + b, bs + r * (k / 16) + b * 16);
+      else if (path == kAvx2)
+        quantize_block_avx2(x + off, natural, d + r * nb + b, bs + r * (k / 16) + b * 16);
       else
         quantize_block_scalar(x + off, natural, d + r * nb + b, bs + r * (k / 16) + b * 16);
       to_lanes(natural, q + off);
@@ -197,6 +205,17 @@ void rows_scalar(const Weights& w, const Acts& a, int64_t rows, int64_t n0, int6
 
 KQ_TARGET inline float hsum512(__m512 v) { return _mm512_reduce_add_ps(v); }
 
+// The hardware prefetcher alone left the 1-2 row passes short of memory speed: fetch the codes
+// a few blocks ahead (the blocks of one output channel are contiguous).
+template <bool Q6>
+inline void prefetch_ahead(const Weights& w, int64_t blk) {
+  const int64_t stride = Q6 ? 192 : 128;
+  const char* ahead = reinterpret_cast<const char*>(w.codes + (blk + PF_BLOCKS) * stride);
+  _mm_prefetch(ahead, _MM_HINT_T0);
+  _mm_prefetch(ahead + 64, _MM_HINT_T0);
+  if (Q6) _mm_prefetch(ahead + 128, _MM_HINT_T0);
+}
+
 // R rows (1..8) against output channels [n0, n1): every super-block is unpacked once.
 template <int R, bool Q6>
 KQ_TARGET void rows_avx512(const Weights& w, const Acts& a, int64_t n0, int64_t n1, float* y,
@@ -211,15 +230,7 @@ KQ_TARGET void rows_avx512(const Weights& w, const Acts& a, int64_t n0, int64_t 
     for (int r = 0; r < R; ++r) facc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t blk = n * nb + b;
-      // the hardware prefetcher alone left the 1-2 row passes short of memory speed: fetch
-      // the codes a few blocks ahead (rows of one output channel are contiguous)
-      {
-        const int64_t stride = Q6 ? 192 : 128;
-        const char* ahead = reinterpret_cast<const char*>(w.codes + (blk + PF_BLOCKS) * stride);
-        _mm_prefetch(ahead, _MM_HINT_T0);
-        _mm_prefetch(ahead + 64, _MM_HINT_T0);
-        if (Q6) _mm_prefetch(ahead + 128, _MM_HINT_T0);
-      }
+      prefetch_ahead<Q6>(w, blk);
       const uint8_t* p = w.codes + blk * (Q6 ? 192 : 128);
       const __m512i v0 = _mm512_loadu_si512(p);
       const __m512i v1 = _mm512_loadu_si512(p + 64);
@@ -266,18 +277,144 @@ KQ_TARGET void rows_avx512(const Weights& w, const Acts& a, int64_t n0, int64_t 
   }
 }
 
-template <bool Q6>
+#define KQ_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+// AVX2 (no AVX-512, no VNNI): the same rounding as the other paths (cvtps rounds to nearest
+// even, as nearbyint does), so every path gives the same int8 codes.
+KQ_AVX2 void quantize_block_avx2(const float* xb, int8_t* qb, float* d, int16_t* sb) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 vmax = _mm256_setzero_ps();
+  for (int i = 0; i < QK; i += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)));
+  alignas(32) float m8[8];
+  _mm256_store_ps(m8, vmax);
+  float amax = 0.f;
+  for (int i = 0; i < 8; ++i) amax = std::max(amax, m8[i]);
+  if (amax == 0.f) return zero_block(qb, d, sb);
+  const float iscale = 127.f / amax;
+  const __m256 vs = _mm256_set1_ps(iscale);
+  const __m256i hi = _mm256_set1_epi32(127), lo = _mm256_set1_epi32(-127);
+  alignas(32) int32_t v8[8];
+  for (int h = 0; h < 16; ++h) {
+    int s = 0;
+    for (int half = 0; half < 2; ++half) {
+      const int off = 16 * h + 8 * half;
+      __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + off), vs));
+      v = _mm256_max_epi32(_mm256_min_epi32(v, hi), lo);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(v8), v);
+      for (int i = 0; i < 8; ++i) {
+        qb[off + i] = static_cast<int8_t>(v8[i]);
+        s += v8[i];
+      }
+    }
+    sb[h] = static_cast<int16_t>(s);
+  }
+  *d = 1.f / iscale;
+}
+
+// The AVX-512 kernel's lanes split in two 256-bit halves (lanes 0-7, 8-15): the same layout,
+// the same exact integer dot products (maddubs pairs then madd; Q4's four 16-bit partial sums
+// stay below 2 * 4 * 15 * 127 and Q6's two below 2 * 2 * 63 * 127, so nothing saturates), the
+// same per-lane float accumulation, and the final sum adds the halves first, as the AVX-512
+// reduction does.
+template <int R, bool Q6>
+KQ_AVX2 void rows_avx2(const Weights& w, const Acts& a, int64_t n0, int64_t n1, float* y,
+                       int64_t n_out) {
+  const int64_t nb = w.nb;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i idx_sc = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+  for (int64_t n = n0; n < n1; ++n) {
+    __m256 facc[R][2];
+    for (int r = 0; r < R; ++r) facc[r][0] = facc[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t blk = n * nb + b;
+      prefetch_ahead<Q6>(w, blk);
+      const uint8_t* p = w.codes + blk * (Q6 ? 192 : 128);
+      const uint8_t* meta = w.meta + blk * 16;
+      const float dw = _cvtsh_ss(w.d[blk]);
+      const float dm = Q6 ? dw : _cvtsh_ss(w.dmin[blk]);
+      for (int half = 0; half < 2; ++half) {
+        const int o = 32 * half;  // byte offset of this half within each 64-byte register
+        const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + o));
+        const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 + o));
+        __m256i c0 = _mm256_and_si256(v0, low4);
+        __m256i c1 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
+        __m256i c2 = _mm256_and_si256(v1, low4);
+        __m256i c3 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
+        __m256i sc_lanes, m_lanes;
+        if (Q6) {
+          const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + o));
+          const __m256i two = _mm256_set1_epi8(0x30);
+          c0 = _mm256_or_si256(c0, _mm256_and_si256(_mm256_slli_epi16(hb, 4), two));
+          c1 = _mm256_or_si256(c1, _mm256_and_si256(_mm256_slli_epi16(hb, 2), two));
+          c2 = _mm256_or_si256(c2, _mm256_and_si256(hb, two));
+          c3 = _mm256_or_si256(c3, _mm256_and_si256(_mm256_srli_epi16(hb, 2), two));
+          sc_lanes = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta + 8 * half)));
+          m_lanes = _mm256_slli_epi32(sc_lanes, 5);
+        } else {
+          const __m256i sc8 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta + 4 * half)));
+          const __m256i m8 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta + 8 + 4 * half)));
+          sc_lanes = _mm256_permutevar8x32_epi32(sc8, idx_sc);
+          m_lanes = _mm256_permutevar8x32_epi32(m8, idx_sc);
+        }
+        const __m256 dsc = _mm256_mul_ps(_mm256_cvtepi32_ps(sc_lanes), _mm256_set1_ps(dw));
+        const __m256 vmin = _mm256_mul_ps(_mm256_cvtepi32_ps(m_lanes), _mm256_set1_ps(-dm));
+        for (int r = 0; r < R; ++r) {
+          const int8_t* qa = a.q + r * a.k + b * QK + o;
+          const __m256i p0 = _mm256_maddubs_epi16(c0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qa)));
+          const __m256i p1 = _mm256_maddubs_epi16(c1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qa + 64)));
+          const __m256i p2 = _mm256_maddubs_epi16(c2, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qa + 128)));
+          const __m256i p3 = _mm256_maddubs_epi16(c3, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qa + 192)));
+          __m256i acc;
+          if (Q6) {
+            acc = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones),
+                                   _mm256_madd_epi16(_mm256_add_epi16(p2, p3), ones));
+          } else {
+            acc = _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p0, p1), _mm256_add_epi16(p2, p3)), ones);
+          }
+          const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(acc), dsc);
+          facc[r][half] = _mm256_fmadd_ps(t, _mm256_set1_ps(a.d[r * nb + b]), facc[r][half]);
+          const __m256 u = _mm256_loadu_ps(a.u + r * (a.k / 16) + b * 16 + 8 * half);
+          facc[r][half] = _mm256_fmadd_ps(u, vmin, facc[r][half]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 s8 = _mm256_add_ps(facc[r][0], facc[r][1]);
+      const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+      const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+      const __m128 s1 = _mm_add_ss(s2, _mm_movehdup_ps(s2));
+      y[r * n_out + n] = _mm_cvtss_f32(s1);
+    }
+  }
+}
+
+// One entry per kernel family, so a row count picks its unrolled instance in one place.
+template <int R, bool Q6>
+struct Avx512Rows {
+  static void run(const Weights& w, const Acts& a, int64_t n0, int64_t n1, float* y, int64_t n) {
+    rows_avx512<R, Q6>(w, a, n0, n1, y, n);
+  }
+};
+template <int R, bool Q6>
+struct Avx2Rows {
+  static void run(const Weights& w, const Acts& a, int64_t n0, int64_t n1, float* y, int64_t n) {
+    rows_avx2<R, Q6>(w, a, n0, n1, y, n);
+  }
+};
+
+template <template <int, bool> class K, bool Q6>
 void dispatch_rows(const Weights& w, const Acts& a, int rows, int64_t n0, int64_t n1, float* y,
                    int64_t n_out) {
   switch (rows) {
-    case 1: rows_avx512<1, Q6>(w, a, n0, n1, y, n_out); break;
-    case 2: rows_avx512<2, Q6>(w, a, n0, n1, y, n_out); break;
-    case 3: rows_avx512<3, Q6>(w, a, n0, n1, y, n_out); break;
-    case 4: rows_avx512<4, Q6>(w, a, n0, n1, y, n_out); break;
-    case 5: rows_avx512<5, Q6>(w, a, n0, n1, y, n_out); break;
-    case 6: rows_avx512<6, Q6>(w, a, n0, n1, y, n_out); break;
-    case 7: rows_avx512<7, Q6>(w, a, n0, n1, y, n_out); break;
-    default: rows_avx512<8, Q6>(w, a, n0, n1, y, n_out); break;
+    case 1: K<1, Q6>::run(w, a, n0, n1, y, n_out); break;
+    case 2: K<2, Q6>::run(w, a, n0, n1, y, n_out); break;
+    case 3: K<3, Q6>::run(w, a, n0, n1, y, n_out); break;
+    case 4: K<4, Q6>::run(w, a, n0, n1, y, n_out); break;
+    case 5: K<5, Q6>::run(w, a, n0, n1, y, n_out); break;
+    case 6: K<6, Q6>::run(w, a, n0, n1, y, n_out); break;
+    case 7: K<7, Q6>::run(w, a, n0, n1, y, n_out); break;
+    default: K<8, Q6>::run(w, a, n0, n1, y, n_out); break;
   }
 }
 
@@ -288,8 +425,23 @@ bool have_avx512() {
   return ok;
 }
 
-torch::Tensor kquant_mm(torch::Tensor x, torch::Tensor codes, torch::Tensor meta, torch::Tensor d,
-                        torch::Tensor dmin, bool q6, bool force_scalar) {
+bool have_avx2() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                         __builtin_cpu_supports("f16c");
+  return ok;
+}
+
+int best_path() { return have_avx512() ? kAvx512 : have_avx2() ? kAvx2 : kScalar; }
+
+bool has_simd() { return best_path() != kScalar; }
+
+std::string path_name() {
+  const int p = best_path();
+  return p == kAvx512 ? "avx512-vnni" : p == kAvx2 ? "avx2" : "portable";
+}
+
+torch::Tensor kquant_mm_on(torch::Tensor x, torch::Tensor codes, torch::Tensor meta,
+                           torch::Tensor d, torch::Tensor dmin, bool q6, int path) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [rows, K] float32");
   x = x.contiguous();
   const int64_t rows = x.size(0), k = x.size(1);
@@ -301,9 +453,10 @@ torch::Tensor kquant_mm(torch::Tensor x, torch::Tensor codes, torch::Tensor meta
   auto da = torch::empty({rows, nb}, torch::kFloat32);
   auto bs = torch::empty({rows, k / 16}, torch::kInt16);
   auto u = torch::empty({rows, k / 16}, torch::kFloat32);
-  const bool simd = have_avx512() && !force_scalar;
+  TORCH_CHECK(path >= kScalar && path <= best_path(), "kernel path ", path,
+              " does not run on this CPU (best: ", path_name(), ")");
   quantize_rows(x.data_ptr<float>(), rows, k, q.data_ptr<int8_t>(), da.data_ptr<float>(),
-                bs.data_ptr<int16_t>(), u.data_ptr<float>(), simd);
+                bs.data_ptr<int16_t>(), u.data_ptr<float>(), path);
   auto y = torch::empty({rows, n_out}, torch::kFloat32);
   TORCH_CHECK(d.scalar_type() == torch::kFloat16, "d must be float16");
   const auto* dptr = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
@@ -316,9 +469,12 @@ torch::Tensor kquant_mm(torch::Tensor x, torch::Tensor codes, torch::Tensor meta
       Acts a{q.data_ptr<int8_t>() + r0 * k, da.data_ptr<float>() + r0 * nb,
              bs.data_ptr<int16_t>() + r0 * (k / 16), u.data_ptr<float>() + r0 * (k / 16), k};
       float* yr = y.data_ptr<float>() + r0 * n_out;
-      if (simd) {
-        if (q6) dispatch_rows<true>(w, a, r, n0, n1, yr, n_out);
-        else dispatch_rows<false>(w, a, r, n0, n1, yr, n_out);
+      if (path == kAvx512) {
+        if (q6) dispatch_rows<Avx512Rows, true>(w, a, r, n0, n1, yr, n_out);
+        else dispatch_rows<Avx512Rows, false>(w, a, r, n0, n1, yr, n_out);
+      } else if (path == kAvx2) {
+        if (q6) dispatch_rows<Avx2Rows, true>(w, a, r, n0, n1, yr, n_out);
+        else dispatch_rows<Avx2Rows, false>(w, a, r, n0, n1, yr, n_out);
       } else {
         if (q6) rows_scalar<true>(w, a, r, n0, n1, yr, n_out);
         else rows_scalar<false>(w, a, r, n0, n1, yr, n_out);
@@ -328,12 +484,21 @@ torch::Tensor kquant_mm(torch::Tensor x, torch::Tensor codes, torch::Tensor meta
   return y;
 }
 
+torch::Tensor kquant_mm(torch::Tensor x, torch::Tensor codes, torch::Tensor meta, torch::Tensor d,
+                        torch::Tensor dmin, bool q6, bool force_scalar) {
+  return kquant_mm_on(x, codes, meta, d, dmin, q6, force_scalar ? kScalar : best_path());
+}
+
 }  // namespace
 
 void register_layer_ops(pybind11::module& m);  // layer.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kquant_mm", &kquant_mm, "rows x GGUF Q4_K / Q6_K weights, int8 activation blocks");
-  m.def("has_simd", &have_avx512, "whether the AVX-512 VNNI path runs on this CPU");
+  m.def("kquant_mm_on", &kquant_mm_on,
+        "kquant_mm on a given kernel path (0 portable, 1 AVX2, 2 AVX-512 VNNI): for tests");
+  m.def("has_simd", &has_simd, "whether a SIMD path (AVX-512 VNNI or AVX2) runs on this CPU");
+  m.def("best_path", &best_path, "the kernel path this CPU runs: 0 portable, 1 AVX2, 2 AVX-512");
+  m.def("path_name", &path_name, "the kernel path this CPU runs, by name");
   register_layer_ops(m);
 }
