@@ -8,6 +8,7 @@ steps equal a fresh single-sequence prefill of its committed tokens (within 1e-9
 
 from __future__ import annotations
 
+import gc
 import random
 from collections import Counter
 
@@ -17,6 +18,7 @@ from scipy.stats import chisquare
 
 from specdec import SpeculativeEngine
 from specdec.batch import BatchScheduler, BatchTarget
+from specdec.batch.cache import SlotCache, SlotLayer
 from specdec.config import GenerationConfig, SamplingConfig
 from specdec.errors import ConfigError, InvalidRequestError
 from specdec.grammar import Grammar
@@ -263,6 +265,28 @@ def test_cancel_frees_the_row_and_the_others_go_on(tiny64):
         if i != 1:
             assert out[seq.id] == solo[i]
     assert len(scheduler.target) == 0  # every row freed
+
+
+def test_finished_batches_free_their_caches_without_the_cycle_collector(tiny64):
+    """A batch's cache (its buffers hold every row's keys and values) is freed when the batch
+    is over, by reference counting: a cycle through it would wait for Python's rare full
+    collections, and a job running batch after batch (data generation) kept one per batch
+    until it was OOM-killed."""
+    engine = SpeculativeEngine.from_pretrained(tiny64, speculator="prompt-lookup")
+    prompts = [engine.encode(p) for p in PROMPTS]
+    kinds = (SlotCache, SlotLayer, BatchTarget, BatchScheduler)
+    gc.collect()
+    before = {id(o) for o in gc.get_objects() if type(o) in kinds}
+    gc.disable()
+    try:
+        for _ in range(4):  # max_batch 3: rows leave mid-run, and the last out renews the cache
+            engine.generate_batch_ids(prompts, max_batch=3, max_new_tokens=12, ignore_eos=True)
+        alive = [o for o in gc.get_objects() if type(o) in kinds and id(o) not in before]
+        left = sorted(type(o).__name__ for o in alive)
+        del alive
+    finally:
+        gc.enable()
+    assert left == []
 
 
 def test_prefill_is_chunked_while_others_run(tiny64):

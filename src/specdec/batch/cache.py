@@ -33,6 +33,7 @@ Sliding-window layers keep every slot too; the window is in their mask (see
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -52,11 +53,24 @@ class SlotLayer(DynamicLayer):
     """One attention layer's padded buffer; writes where the owner's pass says.
 
     Subclasses ``DynamicLayer`` so transformers treats it as the full-attention layer it is;
-    ``keys``/``values`` are the whole buffers, so the length methods are overridden."""
+    ``keys``/``values`` are the whole buffers, so the length methods are overridden.
+
+    The layer refers to its owner weakly: the owner holds its layers, and a strong reference
+    back would make every cache a reference cycle, whose buffers (a whole batch's keys and
+    values) only Python's rare full garbage collections free. A long batch job (data
+    generation: a fresh scheduler per batch) then kept one cache per batch and was OOM-killed
+    at 22 GB."""
 
     def __init__(self, owner: SlotCache) -> None:
         super().__init__()
-        self._owner = owner
+        self._owner_ref = weakref.ref(owner)
+
+    @property
+    def _owner(self) -> SlotCache:
+        owner = self._owner_ref()
+        if owner is None:
+            raise RuntimeError("this cache layer's SlotCache is gone")
+        return owner
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
