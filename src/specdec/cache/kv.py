@@ -29,10 +29,17 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     2
     """
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    a, b = list(a[:n]), list(b[:n])  # slices compare in C: the auto controller asks every step
+    if a == b:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 class _FullCache(DynamicCache):
