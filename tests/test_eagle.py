@@ -391,6 +391,45 @@ def test_an_interrupted_run_resumes_from_its_checkpoint(tiny, data_dir, tmp_path
         train_eagle(tiny, data, tmp_path, cfg, resume=True)
 
 
+def test_a_drafter_continues_from_its_own_weights_and_vocabulary(tiny, data_dir, trained, tmp_path):
+    from specdec.heads.eagle_io import load_eagle
+    from specdec.training.eagle import train_eagle
+
+    variant, first_dir, first = trained
+    data = load_data(data_dir, tiny)
+    cfg = _train_config(variant, max_steps=6, eval_every=3, lr=1e-3, init_from=str(first_dir))
+    result = train_eagle(tiny, data, tmp_path, cfg)
+    # step 0 is the first run's head on the same held-out positions: it starts there, not
+    # from the target's rows (a fresh head scores far lower; see the test above)
+    assert result.history[0]["step"] == 0
+    assert result.history[0]["simulated_tau"] == pytest.approx(first.simulated_tau, abs=1e-6)
+    start, after = load_eagle(first_dir, tiny), load_eagle(tmp_path, tiny)
+    if variant == "eagle3":
+        assert torch.equal(start.draft_token_ids(), after.draft_token_ids())
+    assert not torch.equal(start.fc.weight, after.fc.weight)  # and it did train
+    record = json.loads((tmp_path / "config.json").read_text())
+    assert "held_out_simulated_tau_at_start" in json.dumps(record)
+    # settings that would feed it other inputs or another vocabulary are refused up front
+    other = "eagle1" if variant == "eagle3" else "eagle3"
+    with pytest.raises(ConfigError, match=f"--variant {variant}"):
+        train_eagle(tiny, data, tmp_path / "x", _train_config(other, init_from=str(first_dir)))
+    if variant == "eagle3":
+        with pytest.raises(ConfigError, match="--draft-vocab 96"):
+            train_eagle(
+                tiny,
+                data,
+                tmp_path / "y",
+                _train_config(variant, draft_vocab=64, init_from=str(first_dir)),
+            )
+        with pytest.raises(ConfigError, match="--aux-layers 1,2,3"):
+            train_eagle(
+                tiny,
+                data,
+                tmp_path / "z",
+                _train_config(variant, aux_layers=(1, 2, 2), init_from=str(first_dir)),
+            )
+
+
 def test_bad_settings_fail_fast(tiny):
     with pytest.raises(CheckpointError, match="shipped EAGLE-3 head .*--speculator eagle:DIR"):
         SpeculativeEngine.from_pretrained(tiny, speculator="eagle")  # the shipped head's target

@@ -38,6 +38,14 @@ def _layers(text: str | None) -> tuple[int, ...] | None:
         ) from None
 
 
+def _init_dir(text: str | None) -> str | None:
+    if text != "bundled":
+        return text
+    from specdec.heads.bundled import EAGLE3_SMOLLM2
+
+    return str(EAGLE3_SMOLLM2)
+
+
 def eagle(
     data: DataDirsOpt,
     out: Annotated[Path, typer.Option("--out", help="Drafter directory to write.")],
@@ -81,6 +89,15 @@ def eagle(
             "bundled model, else the target's path).",
         ),
     ] = None,
+    init: Annotated[
+        str | None,
+        typer.Option(
+            "--init",
+            help="Continue this drafter (a directory, or `bundled` for the shipped head) "
+            "instead of starting from the target's rows: its weights and draft vocabulary; "
+            "train it on the answers it has not seen, usually at a lower --lr.",
+        ),
+    ] = None,
     eval_every: Annotated[int, typer.Option("--eval-every")] = 100,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     resume: ResumeOpt = False,
@@ -115,6 +132,7 @@ def eagle(
             eval_every=eval_every,
             seed=seed,
             precision=precision,
+            init_from=_init_dir(init),
         )
         loaded = load_target(model, gguf, dtype, threads, device=device)
         dataset = select_categories(

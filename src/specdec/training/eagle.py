@@ -80,6 +80,9 @@ class EagleTrainConfig:
     speculative_tokens: int = 5
     seed: int = 0
     precision: str = "auto"  # bf16-mixed | fp32 | auto: bf16 where native (training/precision)
+    # start from this drafter's weights and draft vocabulary instead of the target's rows:
+    # more answers then cost passes over the new ones only, not a retrain from scratch
+    init_from: str | None = None
 
     def __post_init__(self) -> None:
         check_precision(self.precision)
@@ -423,6 +426,37 @@ def build_head(
     return head
 
 
+def warm_start_head(
+    loaded: LoadedModel, config: EagleTrainConfig, path: str | os.PathLike[str]
+) -> EagleHead:
+    """The drafter in ``path`` to continue training, refused where the run's settings would
+    train it on other inputs (another variant, other feature layers) or another vocabulary."""
+    from specdec.heads.eagle_io import load_eagle
+
+    head = load_eagle(path, loaded)
+    ec = head.config
+    n_layers = int(loaded.model.config.num_hidden_layers)
+    if ec.variant != config.variant:
+        raise ConfigError(
+            f"--init {path} is an {ec.variant} drafter; pass --variant {ec.variant} to continue it"
+        )
+    wanted = feature_layers(config, n_layers)
+    if tuple(ec.aux_layers) != wanted:
+        raise ConfigError(
+            f"--init {path} reads target layers {tuple(ec.aux_layers)}, this run extracts "
+            f"{wanted}; pass --aux-layers {','.join(map(str, ec.aux_layers))}"
+        )
+    if ec.variant == "eagle3":
+        size = ec.draft_vocab_size or 0
+        asked = config.draft_vocab if config.draft_vocab < ec.vocab_size else 0
+        if size != asked:
+            raise ConfigError(
+                f"--init {path} drafts over {size or 'all'} tokens and keeps that vocabulary; "
+                f"pass --draft-vocab {size} (got {config.draft_vocab})"
+            )
+    return head
+
+
 class _EagleTask(TrainTask):
     """The training-time-test unroll on cached features; held-out chain acceptance."""
 
@@ -508,7 +542,11 @@ def train_eagle(
             else train
         )
     feature_seconds = time.perf_counter() - t0
-    head = build_head(loaded, config, train_recs)
+    head = (
+        warm_start_head(loaded, config, config.init_from)
+        if config.init_from
+        else build_head(loaded, config, train_recs)
+    )
     readout = readout_for(head, config, train_recs)
     to_draft = readout.to_draft
     labels = torch.cat([t[f + 1 :] for t, f in zip(train.tokens, train.first_label, strict=True)])
@@ -524,7 +562,7 @@ def train_eagle(
         _EagleTask(core, train, held, readout, config, accel), opt, store, config,
         examples=len(train), batch=config.batch_sequences, desc=f"training {config.variant}",
         eval_every=config.eval_every, grad_clip=1.0, resume=resume, progress=progress,
-        accelerator=accel,
+        accelerator=accel, initial_eval=config.init_from is not None,
     )  # fmt: skip
     step, history = run.state.step, run.state.history
     acc, tau = evaluate(core, held, readout, config)
@@ -549,6 +587,11 @@ def train_eagle(
                     "draft_vocab_coverage": round(coverage, 4),
                     "held_out_step_accuracy": [round(a, 4) for a in acc],
                     "held_out_simulated_tau": round(tau, 3),
+                    **(
+                        {"held_out_simulated_tau_at_start": round(history[0]["simulated_tau"], 3)}
+                        if config.init_from and history and "simulated_tau" in history[0]
+                        else {}
+                    ),
                     "seconds": round(seconds, 1),
                 }
             },

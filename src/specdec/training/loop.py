@@ -274,6 +274,7 @@ def train_epochs(
     resume: bool = False,
     progress: ProgressFactory = NullBar,
     accelerator: Any = None,
+    initial_eval: bool = False,
 ) -> LoopResult:
     """:func:`train_loop` over ``config.epochs`` passes of ``examples`` examples in shuffled
     batches of ``batch`` (``config.max_steps`` steps when set), with the heads' schedule:
@@ -285,6 +286,7 @@ def train_epochs(
         eval_every=eval_every or total,
         checkpoint_every=config.checkpoint_every,
         grad_clip=grad_clip,
+        initial_eval=initial_eval,
         desc=desc,
     )
     sampler = ShuffledSampler(examples, batch, config.seed)
