@@ -33,6 +33,7 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
@@ -263,17 +264,40 @@ def collate(
     return Batch(*(getattr(batch, f).to(device) for f in Batch.__dataclass_fields__))
 
 
-def ttt_mask(t: int, step: int) -> torch.Tensor:
-    """Attention of unroll step ``step`` over the keys of steps 0..step.  # [1, T, (step+1) T]
+def ttt_mask(idx: torch.Tensor, t: int, step: int) -> torch.Tensor:
+    """Attention of unroll step ``step`` (>= 1) at positions ``idx`` over the keys of steps
+    0..step.  # [B, W, T + step W]
 
-    Step 0's keys causally, later steps' keys only at the query's own position.
+    Step 0's keys (all ``t`` positions) causally; later steps' keys, computed at the same
+    positions ``idx``, only at the query's own position.
 
-    >>> ttt_mask(2, 1).int().tolist()
+    >>> ttt_mask(torch.tensor([[0, 1]]), 2, 1).int().tolist()
     [[[1, 0, 1, 0], [1, 1, 0, 1]]]
     """
-    blocks = [torch.ones(t, t, dtype=torch.bool).tril()]
-    blocks += [torch.eye(t, dtype=torch.bool)] * step
-    return torch.cat(blocks, dim=1)[None]
+    b, w = idx.shape
+    causal = torch.arange(t, device=idx.device)[None, None] <= idx[:, :, None]  # [B, W, T]
+    own = torch.eye(w, dtype=torch.bool, device=idx.device).repeat(1, step)  # [W, step W]
+    return torch.cat([causal, own[None].expand(b, w, step * w)], dim=2)
+
+
+def active_window(label_ok: torch.Tensor, reach: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the positions the unroll's steps >= 1 must compute: from ``reach`` before the
+    first label to the last. Step j >= 1 at position p reads only step 0's keys and its own
+    position's keys of steps 1..j-1, so the prompt before that window and the batch's padding
+    after it feed no label: skipping them is exact, and they are ~40% of a ShareGPT batch
+    (192 prompt tokens of context before answers of up to 256).
+
+    Returns ``idx`` [B, W] (clamped into the row) and ``live`` [B, W] (inside the window)."""
+    b, t = label_ok.shape
+    ar = torch.arange(t, device=label_ok.device)
+    first = torch.where(label_ok, ar, t).min(1).values  # [B]
+    last = torch.where(label_ok, ar, -1).max(1).values  # [B]
+    start = (first - reach).clamp_min(0)
+    width = (last - 1 - start).clamp_min(0)  # step j >= 1 at p reads the label at p + j + 1
+    w = max(int(width.max()), 1)
+    offs = torch.arange(w, device=label_ok.device)
+    idx = (start[:, None] + offs).clamp_max(t - 1)
+    return idx, offs[None] < width[:, None]
 
 
 @dataclass
@@ -316,12 +340,39 @@ def readout_for(head: EagleHead, config: EagleTrainConfig, records: Sequence[Rec
     return Readout(to_draft, rows)
 
 
-def unroll(head: EagleHead, batch: Batch, readout: Readout, config: EagleTrainConfig) -> StepStats:
-    """The training-time-test unroll over one batch; loss and per-step correctness."""
+def _shifted_at(
+    x: torch.Tensor, fill: float = 0, *, shift: int, rows: torch.Tensor, idx: torch.Tensor
+) -> torch.Tensor:
+    """``x`` [B, T, ...] shifted left by ``shift`` (padded with ``fill``), at positions
+    ``idx``.  # [B, W, ...]"""
+    pad = (0, 0) * (x.dim() - 2) + (0, shift)
+    return F.pad(x[:, shift:], pad, value=fill)[rows, idx]
+
+
+def unroll(
+    head: EagleHead,
+    batch: Batch,
+    readout: Readout,
+    config: EagleTrainConfig,
+    *,
+    packed: bool = True,
+) -> StepStats:
+    """The training-time-test unroll over one batch; loss and per-step correctness.
+
+    Step 0 runs at every position (its keys are the context every later step reads); steps
+    >= 1 only in each row's :func:`active_window` (``packed``; False runs them everywhere, the
+    reference the tests compare it with)."""
     b, t = batch.tokens.shape
     state = head.fuse(batch.features)  # [B, T, H]
     dev = batch.tokens.device
-    pos = torch.arange(t, device=dev)[None].expand(b, t)
+    rows = torch.arange(b, device=dev)[:, None]
+    full = torch.arange(t, device=dev)[None].expand(b, t)
+    window, live = (
+        active_window(batch.label_ok, config.ttt_steps)
+        if packed
+        else (full, torch.ones(b, t, dtype=torch.bool, device=dev))
+    )
+    idx, in_window = full, torch.ones_like(live[:, :1]).expand(b, t)
     past: tuple[torch.Tensor, torch.Tensor] | None = None
     to_draft = readout.to_draft
     draft_ids = to_draft[batch.top_ids]  # [B, T, k], -1 outside the scored vocabulary
@@ -332,15 +383,19 @@ def unroll(head: EagleHead, batch: Batch, readout: Readout, config: EagleTrainCo
         shift = j + 1
         if shift >= t:
             break
-        tokens = F.pad(batch.tokens[:, shift:], (0, shift))  # [B, T]
-        mask = (causal_prefix_mask(t, 0) if j == 0 else ttt_mask(t, j)).to(dev)
-        out, kv = head(state, tokens, pos + j, past, mask)
+        if j == 1:  # from here on, only the rows' windows
+            idx, in_window = window, live
+            state = state[rows, idx]
+        at = partial(_shifted_at, shift=shift, rows=rows, idx=idx)
+        tokens = at(batch.tokens)  # [B, W]
+        mask = causal_prefix_mask(t, 0, dev) if j == 0 else ttt_mask(idx, t, j)
+        out, kv = head(state, tokens, idx + j, past, mask)
         past = extend_kv(past, kv)
         # labels at position p + shift: the target's distribution after token p + shift
-        ids = F.pad(draft_ids[:, shift:], (0, 0, 0, shift), value=-1)  # [B, T, k]
-        probs = F.pad(batch.top_p[:, shift:], (0, 0, 0, shift))  # [B, T, k]
-        ok = F.pad(batch.label_ok[:, shift:], (0, shift))  # [B, T]
-        nxt = F.pad(batch.tokens[:, shift + 1 :], (0, shift + 1))  # data token p + shift + 1
+        ids = at(draft_ids, -1)  # [B, W, k]
+        probs = at(batch.top_p)  # [B, W, k]
+        ok = at(batch.label_ok) & in_window  # [B, W]
+        nxt = at(F.pad(batch.tokens[:, 1:], (0, 1)))  # data token p + shift + 1
         # the readout (the costliest matmul) only where a label is read  # [M, Vd]
         logp = torch.log_softmax(readout.logits(head, out[ok]).float(), -1)
         ids_ok = ids[ok]  # [M, k]
@@ -348,15 +403,19 @@ def unroll(head: EagleHead, batch: Batch, readout: Readout, config: EagleTrainCo
         denom = ok.sum().clamp_min(1)
         loss_j = -(probs[ok] * picked).sum() / denom
         if head.config.variant == "eagle1" and config.feature_weight > 0:
-            tgt = F.pad(batch.final[:, shift:], (0, 0, 0, shift))  # [B, T, H]
+            tgt = at(batch.final)  # [B, W, H]
             reg = F.smooth_l1_loss(out, tgt, reduction="none").mean(-1)
             loss_j = loss_j + config.feature_weight * (reg * ok).sum() / denom
         total = total + config.step_decay**j * loss_j
         nxt_draft = to_draft[nxt[ok]]  # [M]
-        right = torch.zeros_like(ok)
-        right[ok] = (logp.argmax(-1) == nxt_draft) & (nxt_draft >= 0)
+        # per step [B, T] again, so chain acceptance follows a position across steps
+        right = torch.zeros(b, t, dtype=torch.bool, device=dev)
+        valid = torch.zeros(b, t, dtype=torch.bool, device=dev)
+        where = (rows.expand_as(idx)[ok], idx[ok])
+        right[where] = (logp.argmax(-1) == nxt_draft) & (nxt_draft >= 0)
+        valid[where] = True
         correct.append(right)
-        valid_steps.append(ok)
+        valid_steps.append(valid)
         state = out
     return StepStats(total, correct, valid_steps)
 
