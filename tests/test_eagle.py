@@ -473,6 +473,21 @@ def test_a_drafter_continues_from_its_own_weights_and_vocabulary(tiny, data_dir,
             )
 
 
+def test_continuing_the_shipped_head_on_another_target_fails_before_extracting(
+    tiny_model_dir, data_dir, tmp_path
+):
+    from typer.testing import CliRunner
+
+    from specdec.cli.main import app
+
+    args = ["train", "eagle", "--data", str(data_dir), "--out", str(tmp_path / "e")]
+    result = CliRunner().invoke(app, [*args, "--init", "bundled", "--model", str(tiny_model_dir)])
+    assert result.exit_code == 2, result.output
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and "another model" in lines[0], lines
+    assert not (tmp_path / "e" / "features-train").exists()  # refused before any target pass
+
+
 def test_bad_settings_fail_fast(tiny):
     with pytest.raises(CheckpointError, match="shipped EAGLE-3 head .*--speculator eagle:DIR"):
         SpeculativeEngine.from_pretrained(tiny, speculator="eagle")  # the shipped head's target

@@ -577,6 +577,8 @@ def train_eagle(
 
     started = time.perf_counter()
     data.check_target(loaded)
+    # a drafter to continue is checked before the target passes, not after an hour of them
+    start = warm_start_head(loaded, config, config.init_from) if config.init_from else None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     accel = Accelerator(cpu=not torch.cuda.is_available())
@@ -601,11 +603,7 @@ def train_eagle(
             else train
         )
     feature_seconds = time.perf_counter() - t0
-    head = (
-        warm_start_head(loaded, config, config.init_from)
-        if config.init_from
-        else build_head(loaded, config, train_recs)
-    )
+    head = start or build_head(loaded, config, train_recs)
     readout = readout_for(head, config, train_recs)
     to_draft = readout.to_draft
     labels = torch.cat([t[f + 1 :] for t, f in zip(train.tokens, train.first_label, strict=True)])
