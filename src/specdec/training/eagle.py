@@ -372,7 +372,7 @@ def unroll(
         if packed
         else (full, torch.ones(b, t, dtype=torch.bool, device=dev))
     )
-    idx, in_window = full, torch.ones_like(live[:, :1]).expand(b, t)
+    idx, in_window = full, torch.ones(b, t, dtype=torch.bool, device=dev)  # step 0: everywhere
     past: tuple[torch.Tensor, torch.Tensor] | None = None
     to_draft = readout.to_draft
     draft_ids = to_draft[batch.top_ids]  # [B, T, k], -1 outside the scored vocabulary
