@@ -47,6 +47,15 @@ def smol64(smol_dir):
     return load_model(smol_dir, dtype="float64")
 
 
+def test_amx_is_read_from_the_cpu_flags_line_alone():
+    """AMX CPUs load GGUF files without llama.cpp's extra buffer types (its AMX buffers crashed
+    the first decode there); the detection reads whole flags, not substrings or other lines."""
+    assert llamacpp.has_amx("processor\t: 0\nflags\t\t: fpu avx512f amx_bf16 amx_tile amx_int8\n")
+    assert not llamacpp.has_amx("flags\t\t: fpu avx2 avx512f avx512_vnni avx512_bf16\n")
+    assert not llamacpp.has_amx("model name\t: amx_tile\nflags\t\t: fpu avx2\n")
+    assert not llamacpp.has_amx("flags\t\t: fpu no_amx_tile_here\n")
+
+
 def test_bad_specs_fail_before_anything_loads():
     with pytest.raises(ConfigError, match="chains only"):
         parse_spec("draft:model=x.gguf,dtype=gguf,tree=auto")

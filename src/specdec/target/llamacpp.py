@@ -104,6 +104,30 @@ def _backend(lib) -> None:  # noqa: ANN001 - the ctypes module
             _backend_ready = True
 
 
+def has_amx(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU has AMX tiles (Intel Sapphire Rapids and later), from /proc/cpuinfo.
+
+    Why it matters: llama.cpp built for such a CPU repacks weights into its AMX buffer type,
+    and its first decode there crashed the process (segmentation fault in ``llama_decode``, the
+    bundled Q4_1 model, llama-cpp-python 0.3.36 on a 2-core Xeon; upstream
+    ggml-org/llama.cpp#20824, closed without a fix). :class:`LlamaModel` then loads without
+    extra buffer types: no repacking, the plain CPU kernels.
+
+    >>> has_amx("flags\t\t: fpu avx512f amx_bf16 amx_tile amx_int8")
+    True
+    >>> has_amx("flags\t\t: fpu avx2 avx512f avx512_vnni")
+    False
+    """
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:  # not Linux: no AMX build to avoid there either
+            return False
+    return any(
+        line.startswith("flags") and "amx_tile" in line.split() for line in cpuinfo.splitlines()
+    )
+
+
 class LlamaModel:
     """One GGUF file loaded by llama.cpp; every request's :class:`LlamaCppRunner` shares it."""
 
@@ -115,6 +139,8 @@ class LlamaModel:
         _backend(lib)
         params = lib.llama_model_default_params()
         params.n_gpu_layers = 0
+        if has_amx() and hasattr(params, "use_extra_bufts"):
+            params.use_extra_bufts = False  # llama.cpp's AMX buffers crash its decode (has_amx)
         self._lib = lib
         self.path = path
         self.ptr = lib.llama_model_load_from_file(str(path).encode(), params)
