@@ -20,7 +20,7 @@ client runs out of requests: throughput while all the level's clients have a req
 flight, which is what a server under steady load of that size delivers. Writes
 ``report.md``, ``report.json`` and ``throughput.png`` into ``--out``. Usage::
 
-    .venv/bin/python bench/batching.py --out docs/bench-batching --threads 1 \\
+    .venv/bin/python bench/batching.py --out bench-out/batching --threads 1 \\
         --concurrency 1,4,16,32 --repeats 3 --soak 500
 """
 

@@ -16,7 +16,7 @@ cache in ``--work``, so the target's pass over each answer is paid once for the 
 
     taskset -c 1 .venv/bin/python bench/data_scaling.py --data /work/data/sd-main \\
         --sizes 70,140,280,560 --hold-among 600 --epochs 2 --threads 1 --work /work/data/scaling \\
-        --out docs/data-scaling
+        --out bench-out/data-scaling
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def main() -> int:
     ap.add_argument("--soft-weight", type=float, default=0.0, help="see `train medusa`")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--work", default="data-scaling-runs", help="checkpoints, one per size")
-    ap.add_argument("--out", default="docs/data-scaling")
+    ap.add_argument("--out", default="bench-out/data-scaling")
     ap.add_argument("--tau-target", type=float, default=2.0)
     ap.add_argument(
         "--eval-questions",

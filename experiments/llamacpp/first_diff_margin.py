@@ -1,8 +1,9 @@
-"""Where a speculative output of ``bench/llamacpp_compare.py`` left our plain decoding: the plain
-run's top-2 log-probability gap at the first differing token. A near-tie there means the k-token
-and one-token passes rounded differently, not a verification error.
+"""Where a speculative output of ``experiments/llamacpp/llamacpp_compare.py`` left our plain
+decoding: the plain run's top-2 log-probability gap at the first differing token. A near-tie
+there means the k-token and one-token passes rounded differently, not a verification error.
 
-    python bench/first_diff_margin.py docs/lowbit/compare-epyc-gguf-target.jsonl --dtype gguf
+    python experiments/llamacpp/first_diff_margin.py \
+        experiments/llamacpp/data/compare-epyc-gguf-target.jsonl --dtype gguf
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """How fast could *any* lossless speculative mode be against llama.cpp plain decoding here?
 
-    python bench/llamacpp_bound.py --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \
-        [--threads 2] [--reps 15] [--out DIR]
+    python experiments/llamacpp/llamacpp_bound.py --target qwen2.5-coder-1.5b \
+        --draft qwen2.5-coder-0.5b [--threads 2] [--reps 15] [--out DIR]
 
 Speculation commits E tokens per round for the price of one verification of K+1 tokens plus K
 draft tokens. Timing llama.cpp's own kernels on this machine (the fastest we have for these

@@ -12,7 +12,7 @@ over a cache of ``--context`` tokens (then rolled back) in three modes:
 ``/tmp/prof_rest.py`` did), so they time everything but the linears; ``model`` rows run it.
 Run pinned to one core with one thread::
 
-    taskset -c 0 .venv/bin/python bench/kquant_rest.py --threads 1 --ks 1,8 --repeats 5
+    taskset -c 0 .venv/bin/python experiments/kquant/kquant_rest.py --threads 1 --ks 1,8 --repeats 5
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ import argparse
 import dataclasses
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -147,7 +149,8 @@ def main() -> None:
         kq.extension = lambda: real
     quality = {}
     if args.quality:
-        from lowbit import fixed_text  # bench/lowbit.py, next to this script
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+        from lowbit import fixed_text  # bench/lowbit.py
 
         ids = loaded.tokenizer(fixed_text())["input_ids"]
         argmax = {}

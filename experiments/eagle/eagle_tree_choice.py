@@ -4,7 +4,7 @@ kept and how many of them sit at depth 1. A head that scores better offline but 
 shows here whether it builds smaller trees (its served root distributions are less sure) or
 builds the same trees and is accepted less (it is miscalibrated when served).
 
-    python bench/eagle_tree_choice.py --group qa --count 5 \\
+    python experiments/eagle/eagle_tree_choice.py --group qa --count 5 \\
         --head shipped=eagle --head other=eagle:dir=/path/to/head
 """
 
@@ -22,7 +22,7 @@ from specdec import SpeculativeEngine
 from specdec.bench.workloads import load_questions, spread
 from specdec.speculators.eagle import EagleSpeculator
 
-QUESTIONS = Path(__file__).resolve().parents[2] / "shared/data/eval/spec_bench/question.jsonl"
+QUESTIONS = Path(__file__).resolve().parents[3] / "shared/data/eval/spec_bench/question.jsonl"
 
 
 def main() -> int:

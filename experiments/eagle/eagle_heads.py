@@ -7,7 +7,8 @@ Each ``--held-out DIRS`` names data directories (comma-separated, as ``train eag
 takes them); its held-out answers are the 5% split ``train eagle`` (seed 0) keeps out of
 training on exactly those directories, so a head is scored on answers its run never saw.
 
-    python bench/eagle_heads.py --head old=/tmp/old-head --head new=src/.../eagle3-... \\
+    python experiments/eagle/eagle_heads.py \\
+        --head old=/tmp/old-head --head new=src/.../eagle3-... \\
         --held-out data/sharegpt-smol \\
         --eval-questions ../shared/data/eval/spec_bench/question.jsonl \\
         --work /tmp/w/heads --out docs/eagle-heads
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 from bench.data_scaling import eval_records  # noqa: E402
 from specdec.heads.eagle_io import load_eagle  # noqa: E402

@@ -3,7 +3,8 @@ explicit positions) and for an n-token chain (the model's causal fast path), ove
 cache, median of repeats, as ratios to one decode step T(1). This is what decides how large a
 Medusa/EAGLE tree can be before verifying it costs more than it gains. Usage:
 
-    .venv/bin/python bench/tree_cost.py [--repeats 9] [--out docs/tree_cost.md]
+    .venv/bin/python experiments/verification-cost/tree_cost.py [--repeats 9] \\
+        [--out experiments/verification-cost/tree_cost.md]
 """
 
 from __future__ import annotations

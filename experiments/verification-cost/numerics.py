@@ -5,7 +5,8 @@ of repeats, k = 1, 2, 4, 8, 16), T(k)/T(1) (what a verification pass costs in de
 largest logit difference from stock fp32, and next-token (argmax) agreement with stock fp32 on the
 positions of real prompts. Usage:
 
-    .venv/bin/python bench/numerics.py [--model DIR] [--repeats 15] [--out docs/numerics.md]
+    .venv/bin/python experiments/verification-cost/numerics.py [--model DIR] [--repeats 15] \\
+        [--out experiments/verification-cost/numerics.md]
 """
 
 from __future__ import annotations

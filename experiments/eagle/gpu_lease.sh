@@ -3,23 +3,23 @@
 # most 64 MiB of working tree per call (this workplace's `device` tool). The bundled model (98 MB)
 # does not fit in one call, so it travels in two; the wheels the machine lacks travel too.
 #
-#   here:   bash bench/gpu_lease.sh prepare   # .stage/a, .stage/b, .whl; docs + the shipped head
+#   here:   bash experiments/eagle/gpu_lease.sh prepare   # .stage/a, .stage/b, .whl; docs + the shipped head
 #                                             # leave the git index (what travels) for a while
-#   call 1: bash bench/gpu_lease.sh stage     # carry [.stage/a, .whl]; ~40 s with the start
-#   call 2: bash bench/gpu_lease.sh run 420   # carry [.stage/b]; within 30 s of call 1
+#   call 1: bash experiments/eagle/gpu_lease.sh stage     # carry [.stage/a, .whl]; ~40 s with the start
+#   call 2: bash experiments/eagle/gpu_lease.sh run 420   # carry [.stage/b]; within 30 s of call 1
 #                                             # (the machine stays warm that long)
-#   here:   bash bench/gpu_lease.sh restore   # the git index as it was
+#   here:   bash experiments/eagle/gpu_lease.sh restore   # the git index as it was
 #
 # `run` rebuilds the model from its parts (sha256 checked) where the code finds the bundled
 # model, runs the CUDA tests and the greedy equivalence of bench/gpu_check.sh, then
-# bench/gpu_train_eagle.py until DEADLINE seconds; everything it reports lands in $OUT.
-# Measured on an H200 on 2026-12-04: docs/2026-12-04-h200-eagle-attempt.md.
+# experiments/eagle/gpu_train_eagle.py until DEADLINE seconds; everything it reports lands in $OUT.
+# Measured on an H200 on 2026-12-04: experiments/eagle/2026-12-04-h200-eagle-attempt.md.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 SPLIT=38000000  # bytes in the first call: 64 MiB less the tree (~6 MB) and the wheels (~22 MB)
-HIDDEN="docs src/specdec/heads/bundled/eagle3-smollm2-135m-instruct/model.safetensors"
+HIDDEN="docs experiments src/specdec/heads/bundled/eagle3-smollm2-135m-instruct/model.safetensors"
 WHEELS="transformers==5.25.0 huggingface_hub==2.4.0 hf-xet==1.8.0 kernels==0.19.1 gguf==0.19.0
 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 tomlkit==0.15.3 click==8.5.1"
 
@@ -66,7 +66,7 @@ run)
     GPU_CHECK_BENCH=0 timeout 150 bash bench/gpu_check.sh /tmp/gpu-check || true
     cp /tmp/gpu-check/equivalence.json "$OUT/" || true  # the lease hands back 8 files
     left=$((deadline - $(date +%s) + start))
-    python3 bench/gpu_train_eagle.py --gguf "$model" --data data/sharegpt-smol --work /tmp/w \
+    python3 experiments/eagle/gpu_train_eagle.py --gguf "$model" --data data/sharegpt-smol --work /tmp/w \
         --out "$OUT" --deadline "$left" 2>&1 | grep --line-buffered -v 'it/s\]' | tee "$OUT/train.log"
     ;;
 *)

@@ -3,10 +3,10 @@ and how close the plain run's top two candidates were there.
 
 llama.cpp picks other kernels for passes of other sizes, so a k-token verification pass can
 round differently from the one-token passes of plain decoding, and a near-tie can then go the
-other way. This prints, for each given prompt of ``bench/llamacpp_compare.py``'s set, the first
-differing position and the plain run's top-2 log-probability margin there:
+other way. This prints, for each given prompt of ``experiments/llamacpp/llamacpp_compare.py``'s
+set, the first differing position and the plain run's top-2 log-probability margin there:
 
-    .venv/bin/python bench/llamacpp_divergence.py --ids 242,481,9004,9006 --threads 2
+    .venv/bin/python experiments/llamacpp/llamacpp_divergence.py --ids 242,481,9004,9006 --threads 2
 """
 
 from __future__ import annotations

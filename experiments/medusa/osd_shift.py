@@ -7,8 +7,8 @@ online ones distil the target's committed outputs in a background thread. Writes
 records (JSONL), a markdown table of τ and tokens/s per block of requests, and a PNG of both
 against requests served. Greedy, so both outputs are checked identical to each other.
 
-    taskset -c 0 .venv/bin/python bench/osd_shift.py --medusa /work/data/medusa-smol \\
-        --per-domain 40 --max-new-tokens 64 --threads 1 --out docs/osd-shift
+    taskset -c 0 .venv/bin/python experiments/medusa/osd_shift.py --medusa /work/data/medusa-smol \\
+        --per-domain 40 --max-new-tokens 64 --threads 1 --out experiments/medusa/osd-shift
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from specdec.speculators.osd import OnlineConfig, OnlineMedusaSpeculator
 from specdec.speculators.spec import options_for
 from specdec.target import HFTarget, load_model
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "train"
+DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "train"
 
 
 def translation_prompts(n: int, rng: random.Random) -> list[str]:

@@ -4,7 +4,7 @@ A verification pass of k tokens needs every row's logits; ``llama-bench`` times 
 compute only the last. The difference is the output matrix, run once per requested row. Prints
 T(k)/T(1) for both, medians of alternating rounds over a 200-token cache:
 
-    .venv/bin/python bench/llamacpp_rows.py --model qwen2.5-coder-1.5b --threads 2
+    .venv/bin/python experiments/llamacpp/llamacpp_rows.py --model qwen2.5-coder-1.5b --threads 2
 """
 
 from __future__ import annotations

