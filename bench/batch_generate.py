@@ -11,7 +11,7 @@ batch. For each batch size B this times, on the same prompts (chat-templated, gr
 and checks each output against our solo greedy output (identical, or how many differ).
 Usage::
 
-    .venv/bin/python bench/batch_generate.py --out docs/bench-batch-generate --threads 1
+    .venv/bin/python bench/batch_generate.py --out bench-out/batch-generate --threads 1
 """
 
 from __future__ import annotations
