@@ -57,15 +57,15 @@ def test_budget_policy_follows_the_chain_length_and_sampling(pair64):
     target, draft = pair64
     auto = _engine(target, DraftModelSpeculator(ModelRunner(draft.model)))
     greedy, sampled = GenerationConfig(), GenerationConfig(sampling=SamplingConfig(temperature=0.7))
-    policy = auto._budget_policy(greedy)
+    policy = auto.budget_policy(greedy)
     assert isinstance(policy, FixedBudget) and policy.num_draft_tokens == DEFAULT_CHAIN_DEPTH
     # sampled drafts consume the request's random numbers: their length must not depend on
     # timing or on other requests, so they keep the engine's budget with its frozen prices
-    assert isinstance(auto._budget_policy(sampled), AdaptiveBudget)
+    assert isinstance(auto.budget_policy(sampled), AdaptiveBudget)
     capped = _engine(target, DraftModelSpeculator(ModelRunner(draft.model), max_depth=6))
-    assert capped._budget_policy(greedy).num_draft_tokens == 6
+    assert capped.budget_policy(greedy).num_draft_tokens == 6
     budget = _engine(target, DraftModelSpeculator(ModelRunner(draft.model), length="budget"))
-    assert isinstance(budget._budget_policy(greedy), AdaptiveBudget)
+    assert isinstance(budget.budget_policy(greedy), AdaptiveBudget)
     with pytest.raises(ConfigError, match="length"):
         DraftModelSpeculator(ModelRunner(draft.model), length="sometimes")
 

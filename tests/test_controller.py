@@ -17,7 +17,7 @@ import torch
 
 from specdec import SpeculativeEngine
 from specdec.control import CostModel
-from specdec.control.arms import ArmController
+from specdec.speculators.auto import ArmController
 from specdec.control.calibration import (
     CostCalibration,
     cost_calibration_path,
@@ -708,7 +708,7 @@ def test_doctests():
     import doctest
 
     from specdec.bench import methods
-    from specdec.control import arms as auto
+    from specdec.speculators import auto
     from specdec.control import budget, calibration, controller
 
     for module in (budget, calibration, controller, auto, methods):

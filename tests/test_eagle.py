@@ -617,7 +617,7 @@ def test_auto_defers_watching_to_one_batch_before_drafting(tiny):
     """``auto`` does not run the drafter's cache update on every step (a few ms each, paid even
     when another arm drafts): it keeps the steps' feature rows and absorbs them in one pass
     when EAGLE drafts. The trees equal those of a drafter that absorbed every step."""
-    from specdec.control.arms import ArmController
+    from specdec.speculators.auto import ArmController
 
     head = random_head(tiny, "eagle3", seed=2)
     deferred = EagleSpeculator(head, LOCKSTEP_TREE)

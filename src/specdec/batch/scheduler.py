@@ -40,7 +40,7 @@ from specdec.batch.target import DEFAULT_CHUNK, BatchTarget, Prefill
 from specdec.config import GenerationConfig
 from specdec.control.batch import BatchBudget, BatchCosts, Candidate
 from specdec.control.budget import AdaptiveBudget
-from specdec.engine import Emitter, SpeculativeEngine, _Proposal, _Request
+from specdec.decode import Decoder, Emitter, Proposal, RequestState
 from specdec.errors import ConfigError, InvalidRequestError
 from specdec.events import GenerationResult, ResultBuilder, TokenEvent
 from specdec.grammar import Grammar
@@ -57,7 +57,7 @@ class BatchSequence:
     """One request inside the batch; :attr:`events` is filled as steps produce them when the
     caller asks the scheduler to keep them (``generate_batch`` does)."""
 
-    req: _Request
+    req: RequestState
     emitter: Emitter
     tracker: AdaptiveBudget  # acceptance estimate by draft position, for the batch budget
     id: int = field(default_factory=lambda: next(_ids))
@@ -91,7 +91,7 @@ class BatchScheduler:
 
     def __init__(
         self,
-        engine: SpeculativeEngine,
+        engine: Decoder,
         *,
         max_batch: int = 8,
         chunk: int = DEFAULT_CHUNK,
@@ -109,10 +109,8 @@ class BatchScheduler:
         self.max_batch = max_batch
         self.chunk = chunk
         self.target = BatchTarget(engine.target.loaded, chunk=chunk)
-        readers = [s for s in engine.speculators if s.needs_hidden_states]
-        if readers:
-            layers = engine.arms.feature_layers if engine.arms else engine.speculator.feature_layers
-            self.target.enable_features(layers)
+        if engine.reads_features:
+            self.target.enable_features(engine.feature_layers)
         self.costs = BatchCosts(engine.cost_model)
         self.budget = BatchBudget(engine.num_draft_tokens, self.costs, packed=self.target.packed)
         self.waiting: deque[BatchSequence] = deque()
@@ -125,7 +123,8 @@ class BatchScheduler:
                 "transformers registers (eager?), so its prompts are prefilled on their own"
             )
         self.fused = self.target.packed if fused is None else fused
-        self._join_late = bool(readers)  # a joining row's drafter needs its last chunk's features
+        # a joining row's drafter needs its last chunk's features
+        self._join_late = engine.reads_features
         self.steps = 0
         self.last: StepReport | None = None
 
@@ -154,7 +153,7 @@ class BatchScheduler:
         )
         engine = self.engine
         tracker = AdaptiveBudget(engine.num_draft_tokens, engine.cost_model)
-        seq = BatchSequence(req, Emitter(engine, req), tracker)
+        seq = BatchSequence(req, engine.emitter(req), tracker)
         seq.prefill = self.target.start_prefill(req.tokens)
         self.waiting.append(seq)
         return seq
@@ -292,7 +291,7 @@ class BatchScheduler:
             self.rows.append(seq)
         return fed
 
-    def _proposals(self, rows: Sequence[int], extra: int) -> tuple[dict[int, _Proposal], int]:
+    def _proposals(self, rows: Sequence[int], extra: int) -> tuple[dict[int, Proposal], int]:
         """The proposals of these rows' sequences for this step, and the longest length the
         batch budget gave. ``extra`` is the prompt tokens the pass carries besides.
 
@@ -312,7 +311,7 @@ class BatchScheduler:
             req = seq.req
             room = engine.context_length - len(req.tokens)
             cap = max(0, min(engine.num_draft_tokens, req.remaining - 1, room - 1))
-            if req.plain or (req.arms is None and req.speculator.name == "none"):
+            if not req.drafts:
                 continue  # nothing drafts: plain rows
             if not req.config.sampling.greedy or not engine.adaptive:
                 # its own timing-free budget (sampled), or always K (fixed)
@@ -341,7 +340,7 @@ class BatchScheduler:
             for i, c, k in zip(sized, candidates, lengths, strict=True):
                 budgets[i] = min(k, c.cap)
             length = max(lengths, default=0)
-        proposals: dict[int, _Proposal] = {}
+        proposals: dict[int, Proposal] = {}
         for i in rows:
             req = self.rows[i].req
             if i in drafts:
@@ -426,7 +425,7 @@ class BatchScheduler:
 
 
 def generate_batch(
-    engine: SpeculativeEngine,
+    engine: Decoder,
     prompts: Sequence[Prompt],
     *,
     max_batch: int = 8,
@@ -444,7 +443,7 @@ def generate_batch(
 
 
 def generate_batch_ids(
-    engine: SpeculativeEngine,
+    engine: Decoder,
     prompt_ids: Sequence[Sequence[int]],
     *,
     max_batch: int = 8,

@@ -34,7 +34,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from specdec.speculators.base import Feedback
+from specdec.drafting import Feedback
 from specdec.tree import DraftTree
 from specdec.verify import Acceptance
 

@@ -1,11 +1,11 @@
 """Speculators: each proposes a DraftTree; each registers a name, an options type and a factory.
 
 Importing this package registers every built-in speculator (and ``auto``, the controller over
-several of them, from :mod:`specdec.control.arms`).
+several of them, from :mod:`specdec.speculators.auto`).
 """
 
-from specdec.control import arms as _arms  # noqa: F401  (registers "auto")
 from specdec.speculators import (
+    auto,
     draft_model,
     eagle,
     lookahead,
@@ -39,6 +39,7 @@ from specdec.speculators.spec import (
 from specdec.speculators.suffix import SuffixCache, SuffixOptions, SuffixSpeculator
 
 __all__ = [
+    "auto",
     "DraftContext",
     "DraftModelSpeculator",
     "DraftOptions",

@@ -1,16 +1,14 @@
-"""The Speculator base class (every hook the engine may call, declared), and the value objects
-across its seam. Names and options live in :mod:`specdec.speculators.spec`."""
+"""The Speculator base class: every hook the engine may call, declared. The value objects across
+its seam (:class:`DraftContext`, :class:`Feedback`) live in :mod:`specdec.drafting`; names and
+options in :mod:`specdec.speculators.spec`."""
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-import torch
-
 from specdec.config import SamplingConfig
-from specdec.control.budget import CostModel
+from specdec.drafting import DraftContext, Feedback
 from specdec.errors import UnknownSpeculatorError
 from specdec.speculators.spec import (
     SpeculatorOptions,
@@ -19,60 +17,11 @@ from specdec.speculators.spec import (
     speculator_name,
 )
 from specdec.tree import DraftTree
-from specdec.verify import Acceptance
 
 if TYPE_CHECKING:
-    from specdec.grammar import GrammarConstraint
     from specdec.target import LoadedModel
 
-
-@dataclass(frozen=True)
-class DraftContext:
-    """Everything a speculator may look at: committed tokens (the last one is the tree's root),
-    where the prompt ends, the request's sampling settings and private RNG, and (for
-    speculators that declare ``needs_hidden_states``) the target's hidden states (final, or the
-    speculator's ``feature_layers`` concatenated) at the positions that produced the tokens
-    committed last; the last row produced the root. ``costs`` prices verification for tree
-    speculators that size their own trees: the engine's measured cost model for greedy requests,
-    its frozen prior for sampled ones (whose output must not depend on timing); ``fixed_length``
-    says the engine wants exactly ``budget`` tokens (``adaptive=False``), so a chain speculator
-    that would stop itself (:meth:`Speculator.chain_cap`) must not. ``constraint``
-    is the request's grammar constraint, if any: the engine prunes drafts it forbids and drafts
-    the tokens it forces, so a speculator may ignore it (or consult it to draft better)."""
-
-    tokens: list[int]
-    prompt_len: int
-    sampling: SamplingConfig
-    generator: torch.Generator
-    features: torch.Tensor | None = None  # [M, H]
-    costs: CostModel | None = None
-    constraint: GrammarConstraint | None = None
-    fixed_length: bool = False  # the engine drafts exactly the budget (adaptive=False)
-    remaining: int | None = None  # tokens the request may still generate (None: unknown)
-
-    def tree_cost(self, nodes: int) -> float:
-        """Verification cost of a tree of ``nodes`` nodes (root included) in plain steps.
-
-        >>> from specdec.config import SamplingConfig
-        >>> DraftContext([1], 1, SamplingConfig(), torch.Generator()).tree_cost(11)
-        1.6
-        """
-        costs = self.costs or _PRIOR
-        return costs.ratio(nodes, tree=True)
-
-
-@dataclass(frozen=True)
-class Feedback:
-    """What verification made of the last proposal. ``logits`` are the target's logits at every
-    tree node from that same pass (lookahead reads its Jacobi updates from them, so they cost no
-    extra forward)."""
-
-    tree: DraftTree
-    acceptance: Acceptance
-    logits: torch.Tensor | None = None  # [N, V]
-
-
-_PRIOR = CostModel.prior()
+__all__ = ["DraftContext", "Feedback", "Speculator", "build_speculator"]
 
 
 class Speculator:
@@ -82,6 +31,8 @@ class Speculator:
     choosing among several speculators) may call is declared here with a no-op default, so
     nothing is discovered by probing. Class attributes declare capabilities:
 
+    * ``drafts``: it proposes tokens at all (``none`` does not: a request it serves is plain
+      decoding, and the batch scheduler gives it no draft budget);
     * ``produces_q``: drafts carry q for lossless sampling (otherwise they are deterministic,
       q = one-hot);
     * ``needs_hidden_states``: the context carries the target's hidden states at
@@ -98,6 +49,7 @@ class Speculator:
     """
 
     name: ClassVar[str] = ""
+    drafts: ClassVar[bool] = True
     produces_q: ClassVar[bool] = False
     needs_hidden_states: ClassVar[bool] = False
     drafts_trees: ClassVar[bool] = False

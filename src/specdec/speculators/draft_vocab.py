@@ -72,10 +72,10 @@ def texts_from_files(paths: Iterable[Path]) -> Iterator[str]:
     (every string in each record, nested ones too), or any other file whole as text.
     Evaluation sets are refused: a ranking tuned on them would flatter every benchmark."""
     from specdec.errors import DataError
-    from specdec.training.data import _refuse_eval_set
+    from specdec.prompts import refuse_eval_set
 
     for path in paths:
-        _refuse_eval_set(path)
+        refuse_eval_set(path)
         if not path.is_file():
             raise DataError(f"{path} does not exist")
         text = path.read_text(encoding="utf-8", errors="replace")

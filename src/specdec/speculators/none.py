@@ -12,6 +12,7 @@ from specdec.tree import DraftTree
 
 class NoSpeculator(Speculator):
     name: ClassVar[str] = "none"
+    drafts: ClassVar[bool] = False
 
     def propose(self, context: DraftContext, budget: int) -> DraftTree:
         return DraftTree.root_only(context.tokens[-1])

@@ -76,7 +76,7 @@ Factory = Callable[["LoadedModel", Any], "Speculator"]
 class Registration:
     """A registered speculator: its name, options type, factory and one-line summary.
     ``factory`` is ``None`` for a name the engine builds itself (``auto``: the controller over
-    several speculators, see :mod:`specdec.control.arms`)."""
+    several speculators, see :mod:`specdec.speculators.auto`)."""
 
     name: str
     options: type[SpeculatorOptions]

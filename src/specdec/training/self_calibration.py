@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdec.errors import DataError
+from specdec.prompts import prompt_text, refuse_eval_set
 from specdec.speculators import build_speculator, options_for
 from specdec.target import HFTarget, LoadedModel
-from specdec.training.data import _prompt_text, _refuse_eval_set
 from specdec.training.progress import NullBar, ProgressFactory
 
 
@@ -37,7 +37,7 @@ def pick_prompts(path: str | Path, n: int, category: str | None = None, seed: in
     """``n`` prompts (seeded choice) from a JSONL training prompt file, optionally of one
     ``category``; evaluation sets are refused."""
     p = Path(path)
-    _refuse_eval_set(p)
+    refuse_eval_set(p)
     if not p.is_file():
         raise DataError(f"prompt file {str(p)!r} does not exist")
     rows = []
@@ -45,7 +45,7 @@ def pick_prompts(path: str | Path, n: int, category: str | None = None, seed: in
         if not line.strip():
             continue
         obj = json.loads(line)
-        text = _prompt_text(obj)
+        text = prompt_text(obj)
         if text and (category is None or obj.get("category") == category):
             rows.append(text)
     if not rows:

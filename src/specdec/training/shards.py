@@ -39,15 +39,15 @@ from safetensors.numpy import load, save
 
 from specdec.errors import DataError
 from specdec.target.loading import LoadedModel, identity_mismatch
-from specdec.training.data import (
+from specdec.training.progress import NullBar, ProgressFactory
+from specdec.training.records import (
     MANIFEST,
     DataManifest,
     Record,
     SelfDistilledData,
-    _chunks,
+    chunks,
     generate_batch,
 )
-from specdec.training.progress import NullBar, ProgressFactory
 from specdec.training.sources import (
     NGRAM,
     SHAREGPT_FILE,
@@ -573,7 +573,7 @@ def _answer(
             items.append((ci, ids))
         # similar lengths in a batch waste less compute on padding; storage order stays fixed
         by_len = sorted(items, key=lambda e: (len(e[1]), e[0]))
-        for batch in _chunks(by_len, batch_size):
+        for batch in chunks(by_len, batch_size):
             first = convs[batch[0][0]]
             gen_seed = (manifest.order_seed * 1_000_003 + first.source_index) * 31 + turn
             outs = generate_batch(loaded, [ids for _, ids in batch], manifest, gen_seed)
