@@ -383,8 +383,8 @@ class BatchScheduler:
         drafted = any(len(proposals[r].tree) > 1 for r in verified)
         if not extra:
             # T(rows) is learnt from passes of trees alone: a prompt token skips the LM head, so
-            # a pass carrying a chunk costs less per row (measured at 96 rows: 4.3 ms per prompt
-            # token against 5.5 per drafted node), and learning from it would price drafts low
+            # a pass carrying a chunk costs less per row than one of drafted nodes, and learning
+            # from it would price drafts low
             self.budget.observe(self.target.last_rows, seconds, drafted=drafted)
         share = seconds / max(1, self.target.last_rows)
         for row, seq in enumerate(self.rows):

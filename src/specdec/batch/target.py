@@ -23,8 +23,7 @@ prompt enters as the *prefix* of its row in the next verification passes, a chun
 (:meth:`BatchTarget.verify`'s ``prefixes``): a causal chain from the row's committed end,
 followed, in the pass that completes the prompt, by the row's first tree. On a CPU every pass
 streams all the weights, so a chunk in the others' pass costs its rows, not a pass of its own
-(measured on the bundled model: 16 decoding rows plus a 64-token chunk in 0.55 s, against 0.28
-s + 0.45 s as two passes; ``bench/packed_pass_cost.py``), and the chunk's logits are never
+(much less than two passes: ``docs/batching.md``), and the chunk's logits are never
 computed (only the trees' nodes reach the LM head). A newcomer therefore delays the others by
 one chunk's rows per step, never by its whole prompt. The older way, one chunk per call on a
 private single-sequence cache (:meth:`prefill_chunk`, :meth:`prefill_packed`) copied into a row

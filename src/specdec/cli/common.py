@@ -119,7 +119,7 @@ PrecisionOpt = Annotated[
     typer.Option(
         "--precision",
         help="auto (bf16 matmuls where the hardware has them: AMX/AVX512-BF16 CPUs, Ampere+ "
-        "GPUs; 2.6x faster EAGLE-3 steps on a Xeon core) | bf16-mixed | fp32.",
+        "GPUs) | bf16-mixed | fp32.",
     ),
 ]
 ResumeOpt = Annotated[

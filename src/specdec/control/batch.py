@@ -246,8 +246,8 @@ class BatchBudget:
         pay twice over. That pass is the batch's slowest step, every decoding client waits for
         it, and what drafts add to it is what the worst gaps between tokens grow by. In a small
         batch good drafts still pay twice over (4 clients keep drafting); in a full one, where a
-        draft's margin is thin, they do not, and the 16-client p99 gap between tokens fell from
-        348 to 304 ms on the bundled model when such passes drafted nothing (2026-12-05).
+        draft's margin is thin, they do not, and the worst gaps between tokens at 16 clients
+        shrank when such passes drafted nothing (``docs/results.md``, the chunk-margin run).
 
         >>> costs = BatchCosts(CostModel(prior_slope=0.1, frozen=True))
         >>> BatchBudget(4, costs).choose([Candidate([0.9] * 4, 4)])

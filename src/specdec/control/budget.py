@@ -5,8 +5,8 @@ n = 2..8 on the fast fp32 path), so drafting pays only when enough of the draft 
 :class:`AdaptiveBudget` estimates the acceptance probability at each draft position from the
 request so far and, with a :class:`CostModel` of T(n), drafts the length that maximises expected
 committed tokens per second; when nothing pays it drafts nothing, so speculation never costs much
-more than plain decoding. The ATLAS-style controller (issue: adaptive speculation) extends this
-from "how much" to "which speculator".
+more than plain decoding. The ATLAS-style controller (:mod:`specdec.control.controller`) extends
+this from "how much" to "which speculator".
 
 Reproducibility: a sampled request's output depends on its drafts (they consume random numbers),
 so for sampled requests the budget must not depend on wall-clock measurements. The engine gives
@@ -119,8 +119,8 @@ class CostModel:
     * a ratio is a property of the hardware, numerics and model, so it starts from the
       calibrated one (``specdec calibrate cost``) or a generic slope (T(n)/T(1) = 1 + slope
       (n - 1)) and moves slowly (``ratio_decay``) toward what is observed (it shifts a little
-      with the context: over an 800-token cache, 4-6 nodes cost ~5% more of a T(1) than over
-      the calibration's 200-token prefix on this CPU, while T(1) itself grows ~15%). A ratio is
+      with the context: over a long cache a few nodes cost slightly more of a T(1) than over
+      the calibration's short prefix, while T(1) itself grows more). A ratio is
       only learned from a pass within ``ratio_window`` passes of a plain one, against that
       plain pass: with no plain step nearby, a slower pass could be a busier machine as well
       as a dearer size, and the unit takes it. A generic slope is only a guess: the first

@@ -7,7 +7,7 @@ modules (``nn.ModuleList`` of independent blocks; the reference code's ``[ResBlo
 weights by accident).
 
 A head may project onto a reduced draft vocabulary (the most frequent tokens of the training
-data, as EAGLE-3 does): on this CPU a full 49k-row projection per head costs almost as much as
+data, as EAGLE-3 does): on a CPU a full 49k-row projection per head costs almost as much as
 the 135M target's own step, 8k rows a sixth of that. ``token_map[i]`` is the target id of draft
 id i.
 

@@ -52,9 +52,9 @@ from specdec.tree import DraftTree
 
 TRAINING_FREE = ("prompt-lookup", "suffix", "lookahead")
 # Prior drafting cost in target decode steps T(1), per drafted token for chains and per tree
-# for tree drafters (measured on this CPU: a distilled 4-layer draft ~0.24 per token, a trained
-# self-exit ~0.26, Medusa heads with an 8k draft vocabulary ~0.03 per tree). Greedy requests
-# replace it with what they measure; sampled requests keep it (reproducibility).
+# for tree drafters (a small draft model costs about a quarter of a step per token, heads a few
+# hundredths per tree). Greedy requests replace it with what they measure; sampled requests
+# keep it (reproducibility).
 DRAFT_COST_PRIOR = {"draft": 0.25, "self": 0.3, "medusa": 0.03, "eagle": 0.05, "osd": 0.03}
 DEFAULT_ON_DEMAND_COST = 0.1
 MAX_BACKLOG = 256  # rows of deferred ``watch`` features an arm may have waiting (bounds memory)
@@ -222,9 +222,9 @@ class ArmController:
         """The longest chain of an arm that stops its chains itself (a draft model's
         ``length=auto``: it sees each token's confidence), asked for instead of the
         controller's length: the controller decides whether the arm drafts, the arm how far.
-        Why: the controller sizes chains from per-position averages, so over the Qwen2.5-Coder
-        pair on code it asked the 0.5B draft for about 3 tokens (τ 2.5) where the draft alone,
-        stopping when unsure, averaged τ 4.66 and ran 1.17x faster."""
+        Why: the controller sizes chains from per-position averages, so it asks a confident
+        draft for fewer tokens than the draft, stopping when unsure, would give (the Qwen pair
+        on code: ``docs/results.md``)."""
         if spec.tree or context.fixed_length:
             return None
         return self.arms[spec.name].chain_cap(context.sampling)

@@ -13,13 +13,11 @@ tree verification keeps greedy and sampled output exactly the target's.
 The global cache (:class:`SuffixCache`) learns across requests: each finished request adds its
 output; it is bounded (oldest documents evicted first), thread-safe, and can be persisted.
 
-Costs measured on one shared CPU core with the default cache full (250,000 tokens of Tiny
-Shakespeare, 500-token documents) and default settings: a step whose last tokens occur nowhere
-~7-10 µs; a lookup that matches, median 30-100 µs and p90 100-250 µs; adding a 500-token output
-~15 ms (one binary search per token, then one memmove); saving ~8 ms (a 1 MB file); loading
-0.4-0.9 s (one bulk sort). Memory: the full default cache holds ~4 MB (int32 corpus, int32
-sorted positions, int64 two-token keys: 16 bytes per token), peaking at ~12 MB during an
-insertion. See ``suffix_index`` for the data structure.
+Costs: a lookup is a few binary searches over a suffix array (microseconds, far below a
+target step); adding an output is one binary search per token and one memmove; loading a saved
+cache is one bulk sort. Memory is 16 bytes per cached token (int32 corpus, int32 sorted
+positions, int64 two-token keys), about three times that during an insertion. Measured costs:
+``docs/methods.md``. See ``suffix_index`` for the data structure.
 """
 
 from __future__ import annotations

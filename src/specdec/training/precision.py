@@ -2,9 +2,8 @@
 
 A speculator head trains on cached features with the target frozen, so its steps are a few
 GEMMs (the readout over the draft vocabulary dominates). Where bf16 matmuls are native (AMX or
-AVX512-BF16 on a CPU, Ampere or later on a GPU) they run several times faster than fp32: on
-this project's 2-core Xeon a bf16 GEMM of the EAGLE-3 readout's shape ran 3.8x faster on one
-core and a whole EAGLE-3 training step 2.6x faster. Weights, optimiser state and the losses'
+AVX512-BF16 on a CPU, Ampere or later on a GPU) they run several times faster than fp32
+(``docs/training.md``). Weights, optimiser state and the losses'
 softmaxes stay float32 (standard mixed precision); ``fp32`` turns it off.
 """
 
