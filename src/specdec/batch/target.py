@@ -36,10 +36,10 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PretrainedConfig
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -185,7 +185,7 @@ def _register_packed() -> None:
 @contextmanager
 def _packed(model: torch.nn.Module, packing: Packing) -> Iterator[None]:
     """Route ``model``'s attention through :func:`packed_attention` for one pass."""
-    config = model.config
+    config = cast(PretrainedConfig, model.config)  # a transformers model's config
     previous = config._attn_implementation
     token = _PACKING.set(packing)
     config._attn_implementation = PACKED_ATTENTION
