@@ -144,11 +144,11 @@ def isolated_cache(
 ) -> Path:
     """This test's own, initially empty, specdec cache root (converted models aside). A test
     may still point XDG_CACHE_HOME elsewhere; the real user cache is refused outright."""
-    from specdec.target import loading
+    from specdec.target import files, loading
 
     home = cache_home_sharing_models(tmp_path_factory.mktemp("cache-home"), specdec_cache.models)
     monkeypatch.setenv("XDG_CACHE_HOME", str(home))
-    computed = loading.cache_root
+    computed = files.cache_root
     real = specdec_cache.real_root.resolve()
 
     def cache_root() -> Path:
@@ -157,7 +157,8 @@ def isolated_cache(
             pytest.fail(f"a test reached the real user cache {root}")
         return root
 
-    monkeypatch.setattr(loading, "cache_root", cache_root)
+    monkeypatch.setattr(files, "cache_root", cache_root)  # what specdec.target reads
+    monkeypatch.setattr(loading, "cache_root", cache_root)  # its old home, still imported
     return home / "specdec"
 
 

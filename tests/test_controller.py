@@ -504,10 +504,10 @@ def test_calibration_is_kept_per_thread_count(tiny64, tmp_path, monkeypatch):
         # a file saved before threads were part of the key is used only on its own count
         legacy = tmp_path / "legacy.json"
         two.rename(legacy)
-        from specdec.control.calibration import _legacy_path
+        from specdec.control.calibration import legacy_cost_calibration_path
 
-        _legacy_path(tiny64).parent.mkdir(parents=True, exist_ok=True)
-        legacy.rename(_legacy_path(tiny64))
+        legacy_cost_calibration_path(tiny64).parent.mkdir(parents=True, exist_ok=True)
+        legacy.rename(legacy_cost_calibration_path(tiny64))
         assert load_cost_calibration(tiny64) is None
         torch.set_num_threads(2)
         old = load_cost_calibration(tiny64)

@@ -24,10 +24,11 @@ from torch import nn
 from specdec import SpeculativeEngine
 from specdec.errors import ConfigError
 from specdec.target import ModelRunner, load_model
+from specdec.target.attention import use_rowwise_attention
 from specdec.target.kquant import KQuantLinear, attach_blocks, extension
 from specdec.target.loading import LoadedModel
-from specdec.target.lowbit import SCHEMES, use_rowwise_attention
-from specdec.target.numerics import _swap_linears, dense_weight
+from specdec.target.lowbit import SCHEMES
+from specdec.target.numerics import dense_weight, swap_linears
 from specdec.tree import DraftTree
 
 KINDS = {"Q4_K": (144, GGMLQuantizationType.Q4_K), "Q6_K": (210, GGMLQuantizationType.Q6_K)}
@@ -155,7 +156,7 @@ def _kquant_model(
             linear.weight.copy_(reference_weight(kind, data))
             blocks[path] = (kind, data)
     attach_blocks(model, blocks, "test blocks")
-    _swap_linears(model, SCHEMES["kquant"].make)
+    swap_linears(model, SCHEMES["kquant"].make)
     use_rowwise_attention(model)
     if lean:
         SCHEMES["kquant"].after_swap(model)

@@ -13,6 +13,7 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from specdec.target import ModelRunner, load_model
+from specdec.target.attention import rowwise_sdpa_attention
 from specdec.target.kquant import KQuantLinear, extension
 from specdec.target.kquant_layers import (
     FusedRows,
@@ -22,7 +23,6 @@ from specdec.target.kquant_layers import (
     fuse_runs,
     use_lean_layers,
 )
-from specdec.target.lowbit import rowwise_sdpa_attention
 from tests.test_kquant import _kquant_model, random_blocks
 
 

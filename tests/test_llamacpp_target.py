@@ -42,9 +42,7 @@ def smol_gguf():
 
 def pass_disagreement(loaded) -> float:
     """Largest logit difference between one 8-token llama.cpp pass and 8 one-token passes."""
-    from specdec.engine import _target_for
-
-    runner = _target_for(loaded).runner
+    runner, _ = loaded.backend.verification_runner(loaded)
     runner.forward(list(range(100, 140)))
     batch = runner.forward_all(list(range(200, 208)))
     runner.cache.rollback(40)

@@ -113,12 +113,12 @@ def cost_calibration_path(loaded: LoadedModel) -> Path:
     more threads barely raise, while verifying n tokens is bound by arithmetic, which they
     divide: a curve measured on 2 threads prices drafts too cheaply on 1."""
     threads = [f"threads={torch.get_num_threads()}"] if _on_cpu(loaded) else []
-    return _legacy_path(loaded, *threads)
+    return legacy_cost_calibration_path(loaded, *threads)
 
 
-def _legacy_path(loaded: LoadedModel, *more: str) -> Path:
+def legacy_cost_calibration_path(loaded: LoadedModel, *more: str) -> Path:
     """Keyed by dtype and device only (and ``more``): where calibrations were saved before the
-    thread count was part of the key."""
+    thread count was part of the key (still read on the CPU: :func:`load_cost_calibration`)."""
     from specdec.target.loading import calibration_file
 
     return calibration_file(loaded, "cost", loaded.dtype_name, _device(loaded), *more)
@@ -141,7 +141,7 @@ def load_cost_calibration(loaded: LoadedModel) -> CostCalibration | None:
     path = cost_calibration_path(loaded)
     legacy = not path.is_file() and _on_cpu(loaded)
     if legacy:
-        path = _legacy_path(loaded)
+        path = legacy_cost_calibration_path(loaded)
     if not path.is_file():
         return None
     try:
@@ -175,23 +175,12 @@ def measure_verify_costs(
     ``prefix_len``-token cache; the median of ``repeats`` passes each. Sizes are interleaved
     within each repeat so that a burst of load on a shared machine spreads over all of them
     instead of skewing one. ``progress`` wraps the iterable of passes (tqdm)."""
-    from specdec.target import ModelRunner
-
     if not sizes or min(sizes) < 1 or max(sizes) > 64:
         raise ValueError("sizes must lie in 1..64")
     if repeats < 1:
         raise ValueError("repeats must be >= 1")
-    from specdec.target.loading import GGUF_DTYPE
-
-    runner: Any
-    if loaded.dtype_name == GGUF_DTYPE:  # the verifier is llama.cpp: time its passes
-        from specdec.target.llamacpp import LlamaCppTarget
-
-        target = LlamaCppTarget(loaded.source, threads=torch.get_num_threads())
-        runner, verify = target.runner, target.verify
-    else:
-        runner = ModelRunner(loaded.model)
-        verify = runner.forward_tree
+    # the verifier's own passes: torch's ModelRunner, or llama.cpp's for dtype gguf
+    runner, verify = loaded.backend.verification_runner(loaded, threads=torch.get_num_threads())
     vocab = runner.vocab_size
     prefix_len = max(1, min(prefix_len, runner.context_length - max(sizes) - 1))
     prefix = [(1000 + i) % vocab for i in range(prefix_len)]

@@ -134,8 +134,10 @@ class EagleAttention(nn.Module):
     def __init__(self, cfg: LlamaConfig, in_size: int) -> None:
         super().__init__()
         self.num_heads = int(cfg.num_attention_heads)
-        self.num_kv = int(cfg.num_key_value_heads)
-        self.head_dim = int(cfg.head_dim)
+        kv_heads, head_dim = cfg.num_key_value_heads, cfg.head_dim
+        assert kv_heads is not None and head_dim is not None  # LlamaConfig fills both in
+        self.num_kv = int(kv_heads)
+        self.head_dim = int(head_dim)
         bias = bool(cfg.attention_bias)
         self.q_proj = nn.Linear(in_size, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(in_size, self.num_kv * self.head_dim, bias=bias)
@@ -198,6 +200,9 @@ class EagleLayer(nn.Module):
 class EagleHead(nn.Module):
     """The drafter. ``embed_tokens`` (and, for EAGLE-1, ``lm_head``) are the target's own
     tensors, shared rather than trained or copied into checkpoints."""
+
+    embed_weight: torch.Tensor  # buffers, typed (nn.Module's attribute lookup is not)
+    readout: torch.Tensor  # EAGLE-1 only
 
     def __init__(
         self,
@@ -316,7 +321,7 @@ def for_inference(head: EagleHead) -> EagleHead:
     than fp32 here (a draft needs no exactness: the target verifies it). EAGLE-1's readout, the
     target's 49k-row LM head, gets an fp16 copy too. The embeddings are shared, not copied, and
     ``head`` itself is left as it is (it can still be trained or saved)."""
-    from specdec.target.numerics import Fp16WeightLinear, PackedLinear, _swap_linears
+    from specdec.target.numerics import Fp16WeightLinear, PackedLinear, swap_linears
 
     memo: dict[int, object] = {id(head.embed_weight): head.embed_weight}
     if not head.eagle3:
@@ -335,7 +340,7 @@ def for_inference(head: EagleHead) -> EagleHead:
         Fp16WeightLinear(nn.Linear(2, 2))
     except RuntimeError:  # no fbgemm in this torch build: prepacked fp32 instead
         make = PackedLinear
-    _swap_linears(fast, make)
+    swap_linears(fast, make)
     if not fast.eagle3:
         readout = nn.Linear(fast.readout.shape[1], fast.readout.shape[0], bias=False)
         readout.weight.data = fast.readout

@@ -3,46 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import ClassVar, Protocol
+from typing import ClassVar
 
 import torch
 
 from specdec.errors import ConfigError
-from specdec.target.loading import LoadedModel
+from specdec.target.base import LoadedModel, Target
 from specdec.target.runner import ModelRunner
 from specdec.tree import DraftTree
 
-
-class Target(Protocol):
-    """What the engine needs from a target; the tests drive the engine with table-driven fakes.
-
-    ``provides_features``: :meth:`enable_features` works and :attr:`features` then holds the
-    hidden states feature-reading speculators draft from."""
-
-    provides_features: ClassVar[bool]
-
-    @property
-    def context_length(self) -> int: ...
-
-    @property
-    def device(self) -> torch.device:
-        """Where the logits live; the request's sampling generator is made there."""
-        ...
-
-    def begin(self, prompt: Sequence[int]) -> None: ...
-
-    def verify(self, tree: DraftTree) -> torch.Tensor: ...
-
-    def commit(self, path: Sequence[int]) -> None: ...
-
-    def enable_features(self, layers: Sequence[int] = (-1,)) -> None: ...
-
-    @property
-    def features(self) -> torch.Tensor | None:
-        """Final hidden states at the positions that produced the tokens committed by the last
-        ``begin``/``commit`` (the last row produced the next root), or ``None`` when this
-        target does not collect them.  # [M, H]"""
-        ...
+__all__ = ["HFTarget", "Target"]
 
 
 class HFTarget:

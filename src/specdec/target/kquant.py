@@ -30,15 +30,15 @@ import torch
 from torch import nn
 
 from specdec.errors import ConfigError
+from specdec.target import files
+from specdec.target.gguf_blocks import q4k_fields
 
 QK = 256
 Q6_K_BYTES = 210  # 128 B low nibbles, 64 B high bits, 16 int8 scales, fp16 d
 
 
 def _ext_dir() -> Path:
-    from specdec.target.loading import cache_root
-
-    path = cache_root() / "ext" / f"kquant-torch{torch.__version__.replace('+', '-')}"
+    path = files.cache_root() / "ext" / f"kquant-torch{torch.__version__.replace('+', '-')}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -81,8 +81,6 @@ def _pack_nibbles(codes: np.ndarray) -> np.ndarray:
 def q4k_parts(blocks: np.ndarray, n: int) -> dict[str, torch.Tensor]:
     """A Q4_K tensor's bytes ``[N, K/256 * 144]`` as the kernel's arrays: nibbles repacked
     into the kernel's lane layout, integer scales and mins one byte each, fp16 d/dmin."""
-    from specdec.target.lowbit import q4k_fields
-
     d, dmin, sc, m, codes = q4k_fields(blocks)
     packed = _pack_nibbles(codes)
     nb = len(d) // n

@@ -26,21 +26,21 @@ Losslessness is unchanged: every one of these computes a row from that row alone
 order whatever the number of rows (attention over the keys the row may see, in cache order), so
 a k-row verification pass still gives each row the logits of a one-row step (tested bit for
 bit). Passes of more than ``ROWWISE_MAX_ROWS`` rows (a prompt's prefill) and batches of several
-sequences take the row-wise attention path of :mod:`specdec.target.lowbit`, as before.
+sequences take the row-wise attention path of :mod:`specdec.target.attention`, as before.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from specdec.target import kquant
+from specdec.target.attention import ROWWISE_MAX_ROWS, rowwise_sdpa_attention
 from specdec.target.kquant import KQuantLinear
-from specdec.target.lowbit import ROWWISE_MAX_ROWS, rowwise_sdpa_attention
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 
@@ -110,10 +110,13 @@ def _apply(groups: Sequence[FusedRows], x: torch.Tensor) -> list[torch.Tensor]:
 class KQuantRMSNorm(nn.Module):
     """HF's Qwen2/Llama RMSNorm (fp32) as one extension call."""
 
+    weight: torch.Tensor
+    variance_epsilon: float
+
     def __init__(self, norm: nn.Module) -> None:
         super().__init__()
-        self.weight = norm.weight
-        self.variance_epsilon = float(norm.variance_epsilon)
+        self.weight = cast(torch.Tensor, norm.weight)
+        self.variance_epsilon = float(cast(float, norm.variance_epsilon))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return kquant.extension().rms_norm(hidden_states, self.weight, self.variance_epsilon)
@@ -123,18 +126,28 @@ class KQuantAttention(nn.Module):
     """Qwen2/Llama self-attention over kquant projections; the call signature and outputs of
     HF's attention module, so the decoder layer that calls it is unchanged."""
 
+    q_proj: KQuantLinear
+    k_proj: KQuantLinear
+    v_proj: KQuantLinear
+    o_proj: KQuantLinear
+    layer_idx: int
+    head_dim: int
+    scaling: float
+
     def __init__(self, attn: nn.Module) -> None:
         super().__init__()
-        self.config = attn.config
-        self.layer_idx = attn.layer_idx
-        self.head_dim = attn.head_dim
-        self.scaling = attn.scaling
+        # HF's attributes read through nn.Module (typed Tensor | Module): _leanable checked them
+        hf = cast(Any, attn)
+        self.config = hf.config
+        self.layer_idx = hf.layer_idx
+        self.head_dim = hf.head_dim
+        self.scaling = hf.scaling
         self.is_causal = True
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
-            attn.q_proj,
-            attn.k_proj,
-            attn.v_proj,
-            attn.o_proj,
+            hf.q_proj,
+            hf.k_proj,
+            hf.v_proj,
+            hf.o_proj,
         )
         self._qkv = fuse_runs([self.q_proj, self.k_proj, self.v_proj])
 
@@ -185,7 +198,7 @@ class KQuantAttention(nn.Module):
         if b == 1 and t <= ROWWISE_MAX_ROWS:
             q, k, v = self.project(x, cos[0], sin[0])
             out = self.attend(q, k, v, attention_mask, cache)
-        else:  # a prefill or a batch: HF's layout and the row-wise attention of lowbit
+        else:  # a prefill or a batch: HF's layout and the row-wise attention
             parts = [
                 self.project(
                     x[bi * t : (bi + 1) * t],
@@ -204,9 +217,14 @@ class KQuantAttention(nn.Module):
 class KQuantMLP(nn.Module):
     """The SiLU-gated MLP with gate/up as one kernel call where their kinds match."""
 
+    gate_proj: KQuantLinear
+    up_proj: KQuantLinear
+    down_proj: KQuantLinear
+
     def __init__(self, mlp: nn.Module) -> None:
         super().__init__()
-        self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        hf = cast(Any, mlp)  # HF's MLP: its projections are KQuantLinear (_leanable checked)
+        self.gate_proj, self.up_proj, self.down_proj = hf.gate_proj, hf.up_proj, hf.down_proj
         self._gate_up = fuse_runs([self.gate_proj, self.up_proj])
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -270,9 +288,17 @@ class LeanDecoderLayer:
         return x.view(1, t, hidden)
 
 
-@functools.cache
-def _lean_class(cls: type) -> type:
-    return type(f"KQuant{cls.__name__}", (LeanDecoderLayer, cls), {"__module__": __name__})
+_LEAN_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
+
+
+def _lean_class(cls: type[nn.Module]) -> type[nn.Module]:
+    """The lean subclass of a decoder-layer class, made once per class (every layer of a model,
+    and of the next model loaded, shares it)."""
+    lean = _LEAN_CLASSES.get(cls)
+    if lean is None:
+        lean = type(f"KQuant{cls.__name__}", (LeanDecoderLayer, cls), {"__module__": __name__})
+        _LEAN_CLASSES[cls] = lean
+    return lean
 
 
 def _leanable(layer: nn.Module, config: object) -> bool:
@@ -295,7 +321,11 @@ def use_lean_layers(model: nn.Module) -> int:
     config = getattr(model, "config", None)
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
-    if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES or layers is None:
+    if (
+        getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES
+        or inner is None
+        or layers is None
+    ):
         return 0
     if not all(_leanable(layer, config) for layer in layers):
         return 0

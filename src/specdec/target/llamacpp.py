@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from specdec.errors import ConfigError, ModelNotFoundError
+from specdec.target import files
 from specdec.tree import DraftTree
 
 log = logging.getLogger(__name__)
@@ -354,8 +355,6 @@ def requantized(gguf: str | Path, kind: str = "q4_0", cache_dir: Path | None = N
     import json
     import os
 
-    from specdec.target.loading import cache_root
-
     if kind not in REQUANT_TYPES:
         raise ConfigError(
             f"no requantization {kind!r} for a llama.cpp draft; choose one of "
@@ -367,7 +366,7 @@ def requantized(gguf: str | Path, kind: str = "q4_0", cache_dir: Path | None = N
     stat = src.stat()
     stamp = {"source": str(src), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "kind": kind}
     key = hashlib.sha256(json.dumps(stamp, sort_keys=True).encode()).hexdigest()[:12]
-    out = (cache_dir or cache_root()) / "requant" / f"{src.stem}.{kind}.{key}.gguf"
+    out = (cache_dir or files.cache_root()) / "requant" / f"{src.stem}.{kind}.{key}.gguf"
     with _REQUANT_LOCK:
         if out.is_file():
             return out

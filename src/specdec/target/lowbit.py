@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from specdec.errors import ConfigError
+from specdec.target.gguf_blocks import q4k_fields
 
 INT4_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu packs 16 output channels together
 INT8_K_MULTIPLE = 16  # _weight_int8pack_mm reads 16 inputs at a time (and crashes on a rest)
@@ -96,26 +97,6 @@ def quantize_int4(
     zero = (lo + 8 * scale.float()).to(torch.bfloat16)  # the value code 8 stands for
     q = torch.round((wg - zero.float()[..., None]) / scale.float()[..., None]) + 8
     return q.clamp_(0, 15).to(torch.int32).reshape(n, k), scale, zero
-
-
-Q4_K_BLOCK_BYTES = 144  # a 256-weight super-block: fp16 d and dmin, 12 B of scales, 128 of codes
-
-
-def q4k_fields(
-    blocks: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """A Q4_K tensor's super-blocks, unpacked: ``d``, ``dmin`` ``[B]`` fp16, ``sc``, ``m``
-    ``[B, 8]`` (6-bit, through the gguf package's own unpacking) and the codes ``[B, 256]``
-    in weight order. ``blocks``: the tensor's bytes, any shape holding whole blocks."""
-    from gguf.quants import Q4_K
-
-    b = np.ascontiguousarray(blocks).reshape(-1, Q4_K_BLOCK_BYTES)
-    d = b[:, 0:2].copy().view(np.float16)[:, 0]
-    dmin = b[:, 2:4].copy().view(np.float16)[:, 0]
-    sc, m = Q4_K.get_scale_min(b[:, 4:16])
-    qs = b[:, 16:].reshape(-1, 4, 1, 32)  # 4 chunks of 32 bytes: 64 weights each
-    codes = (qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
-    return d, dmin, sc.reshape(-1, 8), m.reshape(-1, 8), codes.reshape(-1, 256)
 
 
 def q4k_to_int4(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -322,87 +303,6 @@ class DynamicInt8Linear(nn.Module):
         return self.out_features * self.in_features + _nbytes(self.scale, self.bias)
 
 
-ROWWISE_ATTENTION = "specdec_rowwise_sdpa"
-ROWWISE_MAX_ROWS = 64  # larger passes are a prompt's prefill, the same in plain and speculative
-
-
-def rowwise_sdpa_attention(
-    module: nn.Module,
-    query: torch.Tensor,  # [B, heads, T, head_dim]
-    key: torch.Tensor,  # [B, kv_heads, T_kv, head_dim]
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,  # [B or 1, 1, T, T_kv] bool (or additive), or None
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    is_causal: bool | None = None,
-    **kwargs: object,
-) -> tuple[torch.Tensor, None]:
-    """Attention that computes each query row alone, over exactly the keys it may see, copied
-    contiguous and in cache order: so a row among the k rows of a verification pass gets the
-    same bits as the one-row pass of plain decoding at that position. With the low-bit linears
-    (row-invariant too) the whole forward is then row-invariant, which quantised activations
-    need: they round, and a 1e-7 difference from another blocking of a batched attention
-    (what fp32 tolerates) can move a value across a rounding boundary, change the logits by
-    ~1e-2 and flip a near-tied argmax, so that speculative output would leave plain output.
-    Each row is two small matmuls and a softmax (cheaper here than a fused SDPA call per row);
-    passes of more than ``ROWWISE_MAX_ROWS`` rows (prefill) use one batched SDPA call."""
-    from specdec.target.attention import gqa_sdpa_attention
-
-    b, heads, t, _ = query.shape
-    if t > ROWWISE_MAX_ROWS:
-        return gqa_sdpa_attention(
-            module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
-        )
-    kv_heads, n_keys, dim = key.shape[1], key.shape[2], key.shape[3]
-    group = heads // kv_heads
-    scale = scaling if scaling is not None else dim**-0.5
-    allowed = attention_mask
-    if allowed is not None and allowed.dtype != torch.bool:
-        allowed = allowed > torch.finfo(allowed.dtype).min / 2
-    out = query.new_empty(b, t, heads, value.shape[-1])  # [B, T, heads, head_dim]
-    for bi in range(b):
-        q_b = query[bi].reshape(kv_heads, group, t, dim)  # query heads grouped by their kv head
-        for i in range(t):
-            row = None if allowed is None else allowed[min(bi, allowed.shape[0] - 1), 0, i]
-            n = n_keys - t + i + 1  # causal: the queries are the last t positions
-            if row is not None:
-                n = int(row.sum())
-                if not bool(row[:n].all()):  # not a prefix (a tree, a window): gather
-                    idx = row.nonzero().squeeze(1)
-                    k_i, v_i = key[bi].index_select(1, idx), value[bi].index_select(1, idx)
-                else:
-                    k_i, v_i = key[bi, :, :n], value[bi, :, :n]
-            else:
-                k_i, v_i = key[bi, :, :n], value[bi, :, :n]  # [kv_heads, n, head_dim]
-            scores = torch.bmm(q_b[:, :, i], k_i.transpose(1, 2)).mul_(scale)  # [kvh, g, n]
-            o = torch.bmm(torch.softmax(scores, -1), v_i)  # [kv_heads, group, head_dim]
-            out[bi, i] = o.reshape(heads, -1)
-    return out, None
-
-
-def register_rowwise_attention() -> str:
-    """Register :func:`rowwise_sdpa_attention` (idempotent); returns its name."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(ROWWISE_ATTENTION, rowwise_sdpa_attention)
-    AttentionMaskInterface.register(ROWWISE_ATTENTION, sdpa_mask)
-    return ROWWISE_ATTENTION
-
-
-def use_rowwise_attention(model: nn.Module) -> None:
-    """Switch a transformers model to :func:`rowwise_sdpa_attention` (public API:
-    ``set_attn_implementation``; no model code is patched)."""
-    from transformers import PreTrainedModel
-
-    if not isinstance(model, PreTrainedModel):
-        raise ConfigError(
-            "low-bit numerics need a transformers model: they switch its attention to the "
-            "row-wise form that keeps speculation identical to plain decoding"
-        )
-    model.set_attn_implementation(register_rowwise_attention())
-
-
 def _nbytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
@@ -549,21 +449,14 @@ def check_shapes(model: nn.Module, name: str) -> None:
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of every linear layer's weights (packed, with scales and biases) in ``model``:
-    what one decoding step reads besides one embedding row."""
-    from specdec.target.kquant import KQuantLinear
-    from specdec.target.numerics import Fp16WeightLinear, PackedLinear
-    from specdec.target.ort_int4 import OrtInt4Linear
-
+    what one decoding step reads besides one embedding row. A swapped linear reports its own
+    (its ``weight_bytes()``), so this layer needs no list of the modules that swap them in."""
     total = 0
     for module in model.modules():
-        if isinstance(
-            module,
-            (Int4WeightLinear, Int8WeightLinear, DynamicInt8Linear, OrtInt4Linear, KQuantLinear),
-        ):
-            total += module.weight_bytes()
-        elif isinstance(module, nn.Linear):
+        if isinstance(module, nn.Linear):
             total += _nbytes(module.weight, module.bias)
-        elif isinstance(module, (PackedLinear, Fp16WeightLinear)):
-            per_weight = 4 if isinstance(module, PackedLinear) else 2
-            total += module.out_features * module.in_features * per_weight
+            continue
+        sized = getattr(module, "weight_bytes", None)
+        if callable(sized):
+            total += int(sized())
     return total

@@ -28,6 +28,7 @@ from torch import nn
 
 from specdec.errors import ConfigError
 from specdec.target import lowbit
+from specdec.target.attention import use_rowwise_attention
 
 
 class PackedLinear(nn.Module):
@@ -48,6 +49,10 @@ class PackedLinear(nn.Module):
             x.reshape(-1, shape[-1]), self.packed, self.bias, "none", [], ""
         )
         return y.reshape(*shape[:-1], self.out_features)
+
+    def weight_bytes(self) -> int:
+        """The prepacked fp32 weight (the bias is not counted, as for the other layouts here)."""
+        return self.out_features * self.in_features * 4
 
 
 class Fp16WeightLinear(nn.Module):
@@ -73,8 +78,14 @@ class Fp16WeightLinear(nn.Module):
         y = torch.fbgemm_linear_fp16_weight(x.reshape(-1, shape[-1]), self.packed, self.bias)
         return y.reshape(*shape[:-1], self.out_features)
 
+    def weight_bytes(self) -> int:
+        """The fp16 weight the GEMM reads."""
+        return self.out_features * self.in_features * 2
 
-def _swap_linears(module: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> int:
+
+def swap_linears(module: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> int:
+    """Replace every ``nn.Linear`` under ``module`` by ``make(linear)``, in place, handing each
+    replaced weight's pages back (:func:`_page_out`); returns how many were swapped."""
     swapped = 0
     for name, child in module.named_children():
         if isinstance(child, nn.Linear):
@@ -82,7 +93,7 @@ def _swap_linears(module: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> 
             _page_out(child.weight)
             swapped += 1
         else:
-            swapped += _swap_linears(child, make)
+            swapped += swap_linears(child, make)
     return swapped
 
 
@@ -116,12 +127,14 @@ def onednn_available() -> bool:
 
 @dataclass(frozen=True)
 class Numerics:
-    """A named way to run the target; ``exact`` means the same fp32 maths as the stock model."""
+    """A named way to run the target; ``exact`` means the same fp32 maths as the stock model,
+    ``reference`` a numerics kept for exactness checks (its drafts keep it too)."""
 
     name: str
     storage_dtype: torch.dtype
     exact: bool
     description: str
+    reference: bool = False
 
 
 NUMERICS: dict[str, Numerics] = {
@@ -131,7 +144,7 @@ NUMERICS: dict[str, Numerics] = {
         Numerics("float32-stock", torch.float32, True, "fp32, stock nn.Linear (MKL)"),
         Numerics("fp16-weights", torch.float32, False, "fp16-stored weights, fp32 maths"),
         Numerics("bfloat16", torch.bfloat16, False, "bf16 weights and activations"),
-        Numerics("float64", torch.float64, True, "fp64 (reference for exactness checks)"),
+        Numerics("float64", torch.float64, True, "fp64 (reference for exactness checks)", True),
         # low-bit weights (CPU kernels, src/specdec/target/lowbit.py; figures: docs/lowbit.md)
         *(Numerics(s.name, torch.float32, False, s.description) for s in lowbit.SCHEMES.values()),
     )
@@ -226,11 +239,11 @@ def apply_numerics(model: nn.Module, numerics: Numerics, device: torch.device | 
         if scheme is not None:  # refuse before anything is swapped
             scheme.requires()
             lowbit.check_shapes(model, numerics.name)
-        _swap_linears(model, make)
+        swap_linears(model, make)
         _own_tensors(model)
         if scheme is not None:
             # rounding activations needs a row-invariant forward
-            lowbit.use_rowwise_attention(model)
+            use_rowwise_attention(model)
             scheme.after_swap(model)
     return numerics.description
 

