@@ -27,10 +27,8 @@ import copy
 import logging
 import re
 import time
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -38,12 +36,19 @@ import torch
 from specdec.cache import common_prefix_len
 from specdec.config import SamplingConfig
 from specdec.control.budget import CostModel
-from specdec.errors import ConfigError, ModelNotFoundError, VocabularyMismatchError
+from specdec.errors import ConfigError
 from specdec.speculators.base import DraftContext, Feedback, Speculator
 from specdec.speculators.draft_vocab import SubsetHead
 from specdec.speculators.spec import SpeculatorOptions, option, register
-from specdec.target import LoadedModel, ModelRunner, early_exit_model, load_model
-from specdec.target.llamacpp import LlamaCppRunner
+from specdec.target import LoadedModel, ModelRunner, TokenRunner, early_exit_model
+from specdec.target.drafts import (  # noqa: F401 - names this module has always offered
+    LlamaCppDraft,
+    check_draft_dtype,
+    check_same_vocabulary,
+    default_draft_dtype,
+    draft_gguf_path,
+    load_draft,
+)
 from specdec.target.masks import attention_masks
 from specdec.tree import DraftTree
 from specdec.verify import probs_from_logits, sample
@@ -55,22 +60,6 @@ _PRIOR = CostModel.prior()
 DEFAULT_TREE_DEPTH = 8  # deepest tree drafted when k= is not given
 DEFAULT_CHAIN_DEPTH = 16  # longest self-sized chain (length=auto) when k= is not given
 CHAIN_LENGTHS = ("auto", "budget")
-GGUF_DTYPE = "gguf"  # the draft's GGUF weights as they are, run by llama.cpp
-# the draft's GGUF requantized once to Q4_0 by llama.cpp: the default on a CPU (fastest measured)
-GGUF_Q4_0 = "gguf-q4_0"
-
-
-def _gguf_kind(dtype: str | None) -> tuple[bool, str | None]:
-    """Whether ``dtype`` runs the draft in llama.cpp, and the requantization it asks for.
-
-    >>> _gguf_kind("gguf"), _gguf_kind("gguf-q4_0"), _gguf_kind("bfloat16")
-    ((True, None), (True, 'q4_0'), (False, None))
-    """
-    if dtype == GGUF_DTYPE:
-        return True, None
-    if dtype is not None and dtype.startswith(GGUF_DTYPE + "-"):
-        return True, dtype[len(GGUF_DTYPE) + 1 :]
-    return False, None
 
 
 @dataclass(frozen=True)
@@ -181,30 +170,7 @@ class DraftOptions(SpeculatorOptions):
                 "draft: vocab= needs a separate draft model (a layers:N draft shares the "
                 "target's LM head); drop vocab="
             )
-        in_llamacpp, requant = _gguf_kind(self.dtype)
-        if in_llamacpp:
-            from specdec.target.llamacpp import REQUANT_TYPES
-
-            if requant is not None and requant not in REQUANT_TYPES:
-                raise ConfigError(
-                    f"draft: dtype={self.dtype} is not a llama.cpp draft numerics; use gguf (the "
-                    "file as it is) or "
-                    + ", ".join(f"gguf-{kind}" for kind in sorted(REQUANT_TYPES))
-                )
-            if TreeShape.parse(self.tree) is not None:
-                raise ConfigError(
-                    f"draft: dtype={self.dtype} (llama.cpp) drafts chains only; use tree=chain, "
-                    "or drop dtype= to draft trees in torch"
-                )
-            if self.vocab:
-                raise ConfigError(
-                    "draft: vocab= reduces a torch draft's LM head; llama.cpp scores the GGUF's "
-                    "own head: drop vocab= with dtype=gguf"
-                )
-        elif self.dtype is not None:
-            from specdec.target.numerics import get_numerics
-
-            get_numerics(self.dtype)  # an unknown name fails here, before anything loads
+        check_draft_dtype(self.dtype, chain=TreeShape.parse(self.tree) is None, vocab=self.vocab)
 
 
 class _Calibration:
@@ -259,11 +225,12 @@ class DraftModelSpeculator(Speculator):
     name: ClassVar[str] = "draft"
     produces_q: ClassVar[bool] = True
     drafts_by_model: ClassVar[bool] = True
-    loaded_draft: LoadedModel | None = None  # set by the spec builder: the shared draft weights
+    # set by the spec builder: the shared draft weights, kept alive while a speculator drafts
+    loaded_draft: LoadedModel | LlamaCppDraft | None = None
 
     def __init__(
         self,
-        runner: ModelRunner,
+        runner: TokenRunner,
         description: str = "draft model",
         min_confidence: float = 0.0,
         *,
@@ -286,6 +253,11 @@ class DraftModelSpeculator(Speculator):
         self.min_confidence = min_confidence
         self.tree = tree
         if tree is not None:
+            if not isinstance(runner, ModelRunner):
+                raise ConfigError(
+                    "draft: tree= needs a draft in torch (a llama.cpp draft drafts chains only); "
+                    "use tree=chain"
+                )
             if runner.cache.layout.window is not None:
                 raise ConfigError(
                     "draft: tree= needs a draft model with full attention only (this one has "
@@ -588,7 +560,7 @@ class DraftModelSpeculator(Speculator):
     ) -> torch.Tensor:
         """Feed ``nodes`` to the draft in one pass: each sees the committed prefix and its own
         ancestors among the tree nodes already cached, none of its siblings.  # [T, V]"""
-        runner = self.runner
+        runner = self._tree_runner()
         cache = runner.cache
         length = len(cache)
         device = runner.device
@@ -621,6 +593,12 @@ class DraftModelSpeculator(Speculator):
             slots[i] = length + r
         return out.logits[0]
 
+    def _tree_runner(self) -> ModelRunner:
+        """The torch runner trees are drafted with (``__init__`` refuses trees on any other)."""
+        runner = self.runner
+        assert isinstance(runner, ModelRunner)
+        return runner
+
     def _time_forward(self, seconds: float) -> None:
         old = self._forward_seconds
         self._forward_seconds = seconds if old == 0.0 else 0.8 * old + 0.2 * seconds
@@ -639,7 +617,7 @@ class DraftModelSpeculator(Speculator):
         drafted, self._drafted = self._drafted, None
         if drafted is None:
             return
-        cache = self.runner.cache
+        cache = self._tree_runner().cache
         tree, path = feedback.tree, feedback.acceptance.path
         if tree is not drafted.tree:  # not the tree drafted last: keep nothing of it
             cache.rollback(drafted.start)
@@ -702,7 +680,7 @@ def _subtree(
     if not greedy:
         template = next(r for r in rows if r is not None)
         draft_probs = torch.stack(
-            [torch.zeros_like(template) if rows[i] is None else rows[i] for i in keep]
+            [torch.zeros_like(template) if (row := rows[i]) is None else row for i in keep]
         )  # [N, V]
     tree = DraftTree(
         tokens=tuple(toks[i] for i in keep),
@@ -710,48 +688,6 @@ def _subtree(
         draft_probs=draft_probs,
     )
     return tree, index
-
-
-def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
-    """A draft whose token ids mean other strings would be verified against the wrong text."""
-    _check_vocabulary(target, draft.tokenizer, int(draft.model.config.vocab_size), draft.source)
-
-
-def _check_vocabulary(target: LoadedModel, tokenizer: object, d_size: int, source: str) -> None:
-    t_vocab, d_vocab = target.tokenizer.get_vocab(), tokenizer.get_vocab()  # type: ignore[attr-defined]
-    if t_vocab != d_vocab:
-        diff = len(set(t_vocab.items()) ^ set(d_vocab.items()))
-        raise VocabularyMismatchError(
-            f"the draft's tokenizer ({source}, {len(d_vocab)} tokens) differs from the "
-            f"target's ({target.source}, {len(t_vocab)} tokens) in {diff} entries; a draft must "
-            "use the target's vocabulary"
-        )
-    t_size = target.config.vocab_size
-    if t_size != d_size:
-        raise VocabularyMismatchError(
-            f"the draft's output layer has {d_size} logits, the target's {t_size}"
-        )
-
-
-def default_draft_dtype(target: LoadedModel) -> str:
-    """The draft's numerics when none is asked for: the fastest measured, since the draft's
-    rounding cannot reach the output (every drafted token is verified by the target).
-
-    On a CPU that is ``int4`` (weight-only, group 32) on both kinds of machine measured. On the
-    Qwen2.5-Coder 0.5B draft: an AVX-512 Xeon, one thread, 57 ms per token against 212 ms in
-    fp32 (0.13 of the fp32 target's step instead of 0.47; docs/lowbit.md); an AVX2-only EPYC,
-    two threads, drafting a chain over a 300-token cache, 57-61 ms against weight-only int8's
-    62-90 and fp32's 129 (docs/2026-12-03-draft-vocab.md). int8's faster single projection on
-    AVX2 (1.14 ms against 1.95, a weight hot in cache) does not survive a whole forward.
-    ``int8-dynamic`` takes any shape, so it is the fallback for a draft whose linears int4
-    cannot pack. A ``float64`` target is an exactness reference, so its draft stays float64;
-    off the CPU there are no low-bit kernels and the draft runs in the target's numerics.
-    """
-    if target.device.type != "cpu" or target.dtype_name == "float64":
-        return target.dtype_name
-    if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):  # an older torch build
-        return target.dtype_name
-    return "int4"
 
 
 DEFAULT_DRAFT_VOCAB = 32_768
@@ -769,36 +705,6 @@ def default_draft_vocab(draft: LoadedModel) -> int:
     if size <= 2 * DEFAULT_DRAFT_VOCAB or load_ranking(draft.tokenizer) is None:
         return 0
     return DEFAULT_DRAFT_VOCAB
-
-
-# Draft models already loaded, by (spec, dtype, device), for as long as a speculator holds one:
-# a benchmark's chain, tree and auto arm (or a server's methods) share one copy of the weights,
-# each with its own runner and KV cache (what fork() does too). The weights are never written.
-_LOADED: weakref.WeakValueDictionary[tuple[str, str, str], LoadedModel] = (
-    weakref.WeakValueDictionary()
-)
-
-
-def _load_shared(spec: str, dtype: str, device: torch.device) -> LoadedModel:
-    key = (spec, dtype, str(device))
-    loaded = _LOADED.get(key)
-    if loaded is None:
-        loaded = load_model(spec, dtype=dtype, device=device)
-        _LOADED[key] = loaded
-    return loaded
-
-
-def _load_draft(spec: str, options: DraftOptions, target: LoadedModel) -> LoadedModel:
-    if options.dtype is not None:
-        return _load_shared(spec, options.dtype, target.device)
-    dtype = default_draft_dtype(target)
-    try:
-        return _load_shared(spec, dtype, target.device)
-    except ConfigError as error:
-        if dtype != "int4" or "cannot quantise" not in str(error):
-            raise
-        # a linear int4 cannot pack (its shape): int8-dynamic takes any shape
-        return _load_shared(spec, "int8-dynamic", target.device)
 
 
 @register("draft", DraftOptions)
@@ -820,14 +726,18 @@ def _build(target: LoadedModel, options: DraftOptions) -> DraftModelSpeculator:
             cost_prior=min(1.0, n / layers),
             length=options.length,
         )
-    in_llamacpp, requant = _gguf_kind(options.dtype)
-    by_default = options.dtype is None and _gguf_by_default(options, target)
-    if by_default:
-        in_llamacpp, requant = _gguf_kind(GGUF_Q4_0)
-    if in_llamacpp:
-        return _build_llamacpp(target, options, requant, fall_back=by_default)
-    draft = _load_draft(spec, options, target)
-    check_same_vocabulary(target, draft)
+    draft = load_draft(spec, options.dtype, target, chain=shape is None, vocab=options.vocab)
+    if isinstance(draft, LlamaCppDraft):
+        speculator = DraftModelSpeculator(
+            draft.runner,
+            draft.description,
+            options.min_confidence,
+            max_depth=options.k,
+            cost_prior=draft.cost_prior(target),
+            length=options.length,
+        )
+        speculator.loaded_draft = draft  # keeps the weights alive
+        return speculator
     model = draft.model
     vocab_size = int(draft.model.config.vocab_size)
     vocab = options.vocab if options.vocab is not None else default_draft_vocab(draft)
@@ -851,104 +761,4 @@ def _build(target: LoadedModel, options: DraftOptions) -> DraftModelSpeculator:
         length=options.length,
     )
     speculator.loaded_draft = draft  # keeps the shared weights alive (_LOADED)
-    return speculator
-
-
-# llama.cpp draft models by (GGUF path, threads): a benchmark's or server's draft arms share one
-# copy of the weights, each request its own context (KV cache).
-_LLAMA_MODELS: weakref.WeakValueDictionary[str, object] = weakref.WeakValueDictionary()
-
-
-def draft_gguf_path(spec: str) -> Path:
-    """The GGUF file behind a draft spec: a pack alias (assembled on first use) or a ``.gguf``
-    path; a model directory has none (its weights are safetensors)."""
-    from specdec.target.packs import is_pack, pack_gguf
-
-    if is_pack(spec) and not Path(spec).exists():
-        return pack_gguf(spec)
-    path = Path(spec)
-    if path.suffix.lower() == ".gguf":
-        if not path.is_file():
-            raise ModelNotFoundError(f"draft GGUF file {spec!r} does not exist")
-        return path
-    raise ConfigError(
-        f"draft: dtype=gguf runs the draft's GGUF file in llama.cpp, and {spec!r} is not a GGUF "
-        "file or a model pack alias (e.g. qwen2.5-coder-0.5b); drop dtype=gguf for a model "
-        "directory"
-    )
-
-
-def _gguf_by_default(options: DraftOptions, target: LoadedModel) -> bool:
-    """Whether a draft with no ``dtype=`` runs in llama.cpp (requantized to Q4_0): a chain
-    drafted from a GGUF file (or a pack) for a CPU target, where llama-cpp-python is installed.
-    On the Qwen2.5-Coder pair on an AVX2 EPYC a drafted token cost 32 ms there against 58 ms in
-    torch's int4 kernels, and the pair ran faster on every prompt measured
-    (docs/2026-12-04-llamacpp-draft.md); requantized to Q4_0 the draft decodes 1.8x faster
-    again with the same acceptance (docs/2026-12-05-draft-requant.md). Trees need
-    4D masks and stay in torch; a float64 target is an exactness reference and keeps a float64
-    draft."""
-    from specdec.target import llamacpp
-    from specdec.target.packs import is_pack
-
-    spec = options.model
-    is_gguf = (is_pack(spec) and not Path(spec).exists()) or spec.lower().endswith(".gguf")
-    return (
-        is_gguf
-        and TreeShape.parse(options.tree) is None
-        and not options.vocab
-        and target.device.type == "cpu"
-        and target.dtype_name != "float64"
-        and llamacpp.available()
-    )
-
-
-def _build_llamacpp(
-    target: LoadedModel,
-    options: DraftOptions,
-    requant: str | None = None,
-    fall_back: bool = False,
-) -> DraftModelSpeculator:
-    """A chain drafted by llama.cpp from the draft's GGUF file, requantized to ``requant`` when
-    given; with ``fall_back`` (the default numerics, which the user did not ask for) a
-    requantization that fails (a full disk, an unwritable cache) runs the file as it is."""
-    from specdec.target import llamacpp
-    from specdec.target.llamacpp import LlamaModel, requantized
-    from specdec.target.loading import gguf_tokenizer
-
-    if not llamacpp.available():  # checked first: a model loaded earlier would hide it
-        raise ConfigError(llamacpp.INSTALL_HINT)
-    if target.device.type != "cpu":
-        raise ConfigError(
-            "draft: dtype=gguf runs the draft on the CPU with llama.cpp; with a target on "
-            f"{target.device} drop dtype=gguf (the draft then runs beside it)"
-        )
-    source = draft_gguf_path(options.model)
-    gguf = source
-    if requant is not None:
-        try:
-            gguf = requantized(source, requant)
-        except (OSError, ConfigError) as e:
-            if not fall_back:
-                raise
-            log.warning("drafting from %s as it is: requantizing it failed (%s)", source.name, e)
-            requant = None
-    model = _LLAMA_MODELS.get(str(gguf))
-    if model is None:
-        model = LlamaModel(gguf)
-        _LLAMA_MODELS[str(gguf)] = model
-    assert isinstance(model, LlamaModel)
-    _check_vocabulary(target, gguf_tokenizer(source), model.vocab_size, str(source))
-    speculator = DraftModelSpeculator(
-        LlamaCppRunner(model),
-        f"draft model {source.name} (llama.cpp"
-        + ("" if requant is None else f", requantized to {requant.upper()}")
-        + ")",
-        options.min_confidence,
-        max_depth=options.k,
-        # memory-bound decoding reads every weight once: the file's bytes against the target's
-        # (a prior only: the first timed forward replaces it)
-        cost_prior=min(1.0, gguf.stat().st_size / max(1, target.weight_bytes())),
-        length=options.length,
-    )
-    speculator.loaded_draft = model  # type: ignore[assignment]  # keeps the weights alive
     return speculator

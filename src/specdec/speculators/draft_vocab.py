@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 
 from specdec.errors import ConfigError
 
@@ -43,9 +44,9 @@ def tokenizer_digest(tokenizer: object) -> str:
 
 
 def _cache_dir() -> Path:
-    from specdec.target.loading import cache_root
+    from specdec.target import files
 
-    return cache_root() / "vocab"
+    return files.cache_root() / "vocab"
 
 
 def ranking_paths(tokenizer: object) -> list[Path]:
@@ -177,6 +178,8 @@ class SubsetHead(nn.Module):
     which a frequency ranking misses (on the Qwen pair the top 32 k tokens cover 97.7% of
     answer tokens overall but 89.5% in summarization)."""
 
+    ids: torch.Tensor  # a buffer: moves with the module
+
     def __init__(
         self, head: nn.Module, ids: torch.Tensor, vocab_size: int, rows: torch.Tensor | None
     ) -> None:
@@ -215,7 +218,7 @@ class SubsetHead(nn.Module):
         return out
 
 
-def with_subset_head(model: nn.Module, ids: torch.Tensor, dtype_name: str) -> nn.Module:
+def with_subset_head(model: PreTrainedModel, ids: torch.Tensor, dtype_name: str) -> PreTrainedModel:
     """A view of ``model`` whose LM head scores only ``ids``: every other submodule (and so
     every weight) is shared with ``model``, which is left as it was (another speculator may
     draft with its full head)."""
@@ -240,11 +243,11 @@ def with_subset_head(model: nn.Module, ids: torch.Tensor, dtype_name: str) -> nn
     del weight  # a low-bit head's dense copy is large (544 MB for Qwen's 151,936 x 896)
     device = next(iter(model.parameters())).device
     rows = None
-    embedding = model.get_input_embeddings()
+    embedding = getattr(model.get_input_embeddings(), "weight", None)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    if tied and getattr(embedding, "weight", None) is not None:
-        if tuple(embedding.weight.shape) == (vocab_size, hidden):
-            rows = embedding.weight.detach()  # the head's own rows, held by the model anyway
+    if tied and isinstance(embedding, torch.Tensor):
+        if tuple(embedding.shape) == (vocab_size, hidden):
+            rows = embedding.detach()  # the head's own rows, held by the model anyway
     head_sub = linear_like(sub, dtype_name, device)
     subset = SubsetHead(head_sub, ids.to(device), vocab_size, rows)
     view = object.__new__(type(model))
