@@ -236,7 +236,7 @@ class FeatureStore:
             )
         try:
             for name in self.columns:
-                self._writer(name).write(memoryview(np.ascontiguousarray(arrays[name])).cast("B"))
+                self._writer(name).write(np.ascontiguousarray(arrays[name]).data.cast("B"))
         except BaseException:
             self._rewind()
             raise
