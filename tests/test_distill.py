@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import CORPUS
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
@@ -29,7 +30,6 @@ from specdec.training.distill import (
     train_draft,
 )
 
-CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "corpus" / "tinyshakespeare.txt"
 PROMPTS_FALLBACK = [
     "ROMEO: But soft, what light through yonder window breaks?",
     "JULIET: O Romeo, Romeo! wherefore art thou Romeo?",

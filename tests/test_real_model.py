@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import SHARED_DATA, spec_bench_questions
 
 from specdec import SpeculativeEngine
 from specdec.speculators import options_for
@@ -25,22 +26,16 @@ from specdec.target import ModelRunner, load_model
 
 pytestmark = pytest.mark.slow
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval" / "spec_bench"
 
-
-def spec_bench_prompt(category: str, fallback: str) -> str:
-    path = SHARED / "question.jsonl"
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
-            if row["category"] == category:
-                return row["turns"][0][:1500]
-    return fallback
+def spec_bench_prompt(category: str) -> str:
+    """The first question of a category in Spec-Bench (shipped with the package)."""
+    row = next(q for q in spec_bench_questions() if q["category"] == category)
+    return row["turns"][0][:1500]
 
 
 PROMPTS = [
-    spec_bench_prompt("summarization", "Summarize: The cat sat on the mat. The cat slept."),
-    spec_bench_prompt("translation", "Translate German to English: Guten Morgen, wie geht es?"),
+    spec_bench_prompt("summarization"),
+    spec_bench_prompt("translation"),
     "What are three tips for staying healthy?",
     "Write a Python function that returns the n-th Fibonacci number.",
     "Janet has 3 apples and buys 5 more. How many apples does she have? Explain step by step.",
@@ -200,7 +195,7 @@ def test_cli_json_compare(smol_dir):
     assert out["baseline"]["mean_accepted"] == 1.0
 
 
-TRAIN_PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "train" / "mix"
+TRAIN_PROMPTS = SHARED_DATA / "train" / "mix"  # absent: three prompts stand in (weaker heads)
 
 
 @pytest.fixture(scope="module")

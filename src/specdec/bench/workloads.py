@@ -25,6 +25,9 @@ TASK_GROUPS: tuple[str, ...] = (
     "rag",
 )
 MT_BENCH_IDS = range(81, 161)
+# Spec-Bench's 480 questions, shipped in the package (provenance and licence: data/README.md):
+# the default data set of ``specdec bench``.
+SPEC_BENCH_QUESTIONS = Path(__file__).resolve().parent / "data" / "spec_bench_questions.jsonl"
 MT_BENCH_CATEGORIES: frozenset[str] = frozenset(
     {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 )

@@ -22,6 +22,7 @@ from rich.progress import (
 from rich.table import Table
 
 from specdec.bench.errors import PLOTS_INSTALL
+from specdec.bench.workloads import SPEC_BENCH_QUESTIONS as DEFAULT_DATASET
 from specdec.cli.common import (
     DeviceOpt,
     DtypeOpt,
@@ -35,8 +36,6 @@ from specdec.cli.common import (
     user_errors,
 )
 
-REPO = Path(__file__).resolve().parents[3]
-DEFAULT_DATASET = REPO.parent / "shared" / "data" / "eval" / "spec_bench" / "question.jsonl"
 DEFAULT_METHODS = "none,prompt-lookup,draft:layers:8,hf,hf-prompt-lookup,hf-assisted:layers:8"
 QUICK_TOKENS = 32
 QUICK_METHODS = "none,prompt-lookup,draft:layers:8"  # our engine's: identity is what CI checks
@@ -121,7 +120,10 @@ def _print_overall(console: Console, records: list[dict[str, Any]]) -> None:
 def bench(
     dataset: Annotated[
         Path | None,
-        typer.Option(help="Spec-Bench / MT-bench question.jsonl (default: the shared Spec-Bench)."),
+        typer.Option(
+            help="Spec-Bench / MT-bench question.jsonl (default: Spec-Bench's 480 questions, "
+            "shipped with specdec)."
+        ),
     ] = None,
     methods: Annotated[
         str | None,
