@@ -17,7 +17,6 @@ import torch
 
 from specdec import SpeculativeEngine
 from specdec.control import CostModel
-from specdec.speculators.auto import ArmController
 from specdec.control.calibration import (
     CostCalibration,
     cost_calibration_path,
@@ -28,6 +27,7 @@ from specdec.control.calibration import (
 from specdec.control.controller import ArmSpec, Choice, Controller, ControllerConfig
 from specdec.errors import CheckpointError, ConfigError, UnknownSpeculatorError
 from specdec.speculators import PromptLookupSpeculator, Speculator
+from specdec.speculators.auto import ArmController
 from specdec.speculators.base import DraftContext
 from specdec.testing import MarkovSpeculator, MarkovTarget, ScriptedSpeculator, word_tokenizer
 from specdec.tree import DraftTree
@@ -708,8 +708,8 @@ def test_doctests():
     import doctest
 
     from specdec.bench import methods
-    from specdec.speculators import auto
     from specdec.control import budget, calibration, controller
+    from specdec.speculators import auto
 
     for module in (budget, calibration, controller, auto, methods):
         assert doctest.testmod(module).failed == 0, module.__name__
