@@ -2,10 +2,11 @@
 
 What a speculator is worth depends on T(n)/T(1), the cost of verifying n tokens relative to one
 plain decoding step, and that ratio is a property of the hardware, the numerics and the model
-(on this CPU's fast fp32 path a 16-token chain costs ~1.6 decode steps; on an accelerator it is
-nearly free). ``specdec calibrate cost`` measures it for chains (the model's causal fast path)
-and for trees (4D mask, explicit positions), n = 1 .. 64, over a cache of a typical prompt's
-length, and saves it under the specdec cache keyed by model identity, dtype, device and (on a
+(on a CPU a 16-token chain costs well over one decode step even on the fast fp32 path,
+experiments/verification-cost/2026-11-29-numerics.md; on an accelerator it is nearly free).
+``specdec calibrate cost`` measures it for chains (the model's causal fast path) and for trees
+(4D mask, explicit positions), n = 1 .. 64, over a cache of a typical prompt's length, and
+saves it under the specdec cache keyed by model identity, dtype, device and (on a
 CPU) thread count. The engine's :class:`~specdec.control.budget.CostModel` then starts from
 these ratios instead of a generic slope and keeps refining them online from the steps it times.
 """
@@ -34,8 +35,8 @@ log = logging.getLogger(__name__)
 FORMAT = "specdec-cost-calibration"
 VERSION = 1
 DEFAULT_SIZES = tuple(range(1, 65))
-# what the first use of a model times: a grid (the cost model interpolates between sizes),
-# 33 seconds (87 passes) for the 1.5B Qwen in fp32 on a 2-core EPYC
+# what the first use of a model times: a grid (the cost model interpolates between sizes), in
+# tens of seconds for a 1.5B model in fp32 (experiments/draft-model/2026-12-05-draft-requant.md)
 FIRST_USE_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 FIRST_USE_ENV = "SPECDEC_CALIBRATE"
 FIRST_USE_MODES = ("packs", "always", "never")
@@ -235,9 +236,9 @@ def calibrate_on_first_use(loaded: LoadedModel) -> CostCalibration | None:
     """The saved calibration, or for a model that should have one, a new one measured now.
 
     Why: the draft length a controller picks is only as good as its price of verification,
-    and a generic prior misprices real models badly (the 1.5B Qwen in fp32 on a 2-core EPYC
-    verifies 4 tokens *faster* than 1; with the prior the paired draft reached 2.65-3.08x on
-    code, with the calibration 3.69x: docs/2026-12-05-qwen-pair-epyc2.md). A user should not
+    and a generic prior misprices real models badly (the 1.5B Qwen in fp32 can verify 4 tokens
+    *faster* than 1, and the paired draft was much faster on code with the calibration than
+    with the prior: experiments/draft-model/2026-12-05-qwen-pair-epyc2.md). A user should not
     need to know ``specdec calibrate cost`` exists, so the first engine built on a model pack
     times a grid of sizes (seconds, once per machine, model, dtype and device) and saves it.
     ``SPECDEC_CALIBRATE`` chooses where: ``packs`` (the default), ``always`` (any model) or

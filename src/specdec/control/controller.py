@@ -260,9 +260,9 @@ class Controller:
         """Whether a probe that first costs ``catch_up`` seconds is worth making: the catch-up
         is at most EXPLORE_SHARE of what the arm would save over the ``remaining`` tokens at
         full acceptance. Why not the estimates: a probe exists to correct them; why not the
-        best case alone: at full acceptance a draft can look worth a 741-token catch-up with
-        128 tokens left (it would save 64 of 128 steps, the catch-up costs ~59), and at the
-        acceptance it really gets (a RAG answer) that probe cost 2.6 s of a 5.6 s answer."""
+        best case alone: at full acceptance a draft can look worth reading a long prompt with
+        few tokens left, and at the acceptance it really gets (a RAG answer) such a probe took
+        a large share of the answer's time (experiments/kquant/2026-12-05-kquant-auto.md)."""
         best = self._best_case_rate(spec, cap)
         if best <= 0.0:
             return False
@@ -273,12 +273,13 @@ class Controller:
         """Whether an on-demand arm would lose to plain decoding even if every token it drafted
         were accepted, at its measured drafting time and the cost model's verification.
 
-        Why: over llama.cpp's Q4_K_M 1.5B on two AVX2 cores, two tokens cost 1.72 decode steps
-        and a token of the 0.5B draft 0.55 more, so the draft's best case is 0.88x plain
-        decoding; probing it anyway costs its catch-up (reading the whole prompt: seconds on a
-        long one) besides the probe. Such an arm is probed only every
-        HOPELESS_PROBE_FACTOR * max_probe_every steps, so a changed cost can still bring it
-        back. Unmeasured arms are never hopeless: their first probe measures them."""
+        Why: where verification is steep (llama.cpp's kernels: two tokens cost well over one
+        decode step) and a draft token is not cheap, even a fully accepted draft loses to plain
+        decoding (experiments/llamacpp/2026-12-04-llamacpp-plain-gap.md); probing it anyway
+        costs its catch-up (reading the whole prompt: seconds on a long one) besides the probe.
+        Such an arm is probed only every HOPELESS_PROBE_FACTOR * max_probe_every steps, so a
+        changed cost can still bring it back. Unmeasured arms are never hopeless: their first
+        probe measures them."""
         st = self.state[spec.name]
         if not spec.on_demand or st.draft_seconds is None or cap < 1:
             return False
@@ -379,10 +380,10 @@ class Controller:
         """Whether a probe beat plain decoding's rate on its own: its tokens (accepted + 1) per
         the time its verification and drafting took, priced by the cost model.
 
-        Why not "anything accepted": where verification is steep (llama.cpp on two AVX2
-        cores: two tokens cost 1.68 decode steps) a draft model's one-token probe is accepted
-        82% of the time and still loses, so resetting the interval on every acceptance kept
-        probing it every 8 steps, about 15% of the run; now such probes back off like
+        Why not "anything accepted": where verification is steep (llama.cpp's kernels) a draft
+        model's one-token probe is accepted most of the time and still loses, so resetting the
+        interval on every acceptance kept probing it at the shortest interval
+        (experiments/llamacpp/2026-12-04-llamacpp-target-28.md); now such probes back off like
         rejected ones, while a probe that pays brings its arm back as before."""
         spec = self._specs[choice.arm] if choice.arm is not None else None
         if spec is None or accepted == 0:

@@ -316,11 +316,12 @@ class EagleHead(nn.Module):
 
 def for_inference(head: EagleHead) -> EagleHead:
     """A drafting copy of ``head`` on the target's device. On the CPU its linears keep
-    fp16-stored weights (fp32 maths): drafting is
-    memory-bound on a CPU, and halving the bytes read made each of its linears 3-4x faster
-    than fp32 here (a draft needs no exactness: the target verifies it). EAGLE-1's readout, the
-    target's 49k-row LM head, gets an fp16 copy too. The embeddings are shared, not copied, and
-    ``head`` itself is left as it is (it can still be trained or saved)."""
+    fp16-stored weights (fp32 maths): drafting is memory-bound on a CPU, and halving the bytes
+    read made each of its linears several times faster than fp32
+    (experiments/eagle/2026-12-05-eagle3-first-turns.md; a draft needs no exactness: the target
+    verifies it). EAGLE-1's readout, the target's 49k-row LM head, gets an fp16 copy too. The
+    embeddings are shared, not copied, and ``head`` itself is left as it is (it can still be
+    trained or saved)."""
     from specdec.target.numerics import Fp16WeightLinear, PackedLinear, swap_linears
 
     memo: dict[int, object] = {id(head.embed_weight): head.embed_weight}

@@ -344,9 +344,10 @@ class DraftModelSpeculator(Speculator):
         drafted steps), the stopping rule that maximises a renewal process's long-run rate. A
         length chosen before drafting (the adaptive budget) cannot see that this step's draft is
         sure of six tokens or unsure of the first. Replayed on recorded answers of the
-        Qwen2.5-Coder pair it gave 1.08x the adaptive budget's speed (docs/2026-12-04-chain-
-        stop.md, ``bench/chain_policy.py``). The choice reads only the draft and the costs,
-        never the target's output, so verification stays lossless."""
+        Qwen2.5-Coder pair and then measured, it beat the adaptive budget
+        (experiments/draft-policy/2026-12-04-chain-stop.md, ``chain_policy.py`` there). The
+        choice reads only the draft and the costs, never the target's output, so verification
+        stays lossless."""
         tokens = context.tokens
         root = tokens[-1]
         if budget < 1:
@@ -425,7 +426,7 @@ class DraftModelSpeculator(Speculator):
             return
         head = self.runner.model.get_output_embeddings()
         if isinstance(head, SubsetHead):
-            head.include(tokens)  # a set difference over the context: ~0.1 ms a step
+            head.include(tokens)  # a set difference over the context: cheap (docs/methods.md)
 
     # -- trees ---------------------------------------------------------------------------------
     def _forward_cost(self, context: DraftContext) -> float:
@@ -695,10 +696,10 @@ DEFAULT_DRAFT_VOCAB = 32_768
 
 def default_draft_vocab(draft: LoadedModel) -> int:
     """``vocab=`` when none is asked for: 32768 for a vocabulary over twice that whose tokenizer
-    has a ranking, else 0 (the full head). On the Qwen2.5-Coder pair (151,936 tokens) it cut a
-    drafted token's cost by 14% at the same τ and made the chain 1.07x faster over 28 prompts
-    (19 of 28 faster; trees 1.02x), docs/2026-12-03-draft-vocab.md. A small vocabulary's head
-    is a small share of the draft, so the trade stops paying there."""
+    has a ranking, else 0 (the full head). On the Qwen2.5-Coder pair (151,936 tokens) it made a
+    drafted token cheaper at the same τ and the chain faster on most prompts (docs/methods.md,
+    the draft model; experiments/draft-model/2026-12-03-draft-vocab.md). A small vocabulary's
+    head is a small share of the draft, so the trade stops paying there."""
     from specdec.speculators.draft_vocab import load_ranking
 
     size = int(draft.model.config.vocab_size)

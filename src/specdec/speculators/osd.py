@@ -73,9 +73,9 @@ class OnlineConfig:
     ``accuracy_prior``: how many examples the checkpoint's own accuracies count as at the start.
 
     Defaults from replaying self-distilled traffic through the trainer (chat-trained heads, then
-    translation and code answers; ``docs/osd-shift``): lr 1e-3 with 8 steps per round learned
-    the new domains fastest, and the warm-up keeps Adam's first, ~lr-sized steps from lowering
-    in-domain acceptance (without it, 1e-3 cost 5-15% of head accuracy on the first requests)."""
+    translation and code answers; experiments/medusa/2026-11-30-osd-shift.md): lr 1e-3 with 8
+    steps per round learned the new domains fastest, and the warm-up keeps Adam's first,
+    ~lr-sized steps from lowering in-domain acceptance on the first requests."""
 
     buffer: int = 8192
     batch: int = 64

@@ -20,13 +20,13 @@ the speculator's description and a log warning).
 
 Why no LayerSkip-style shared KV: the draft's KV entries could replace the target's only for a
 *prefix* of layers fed the same hidden states, i.e. for early exits, and only for draft tokens
-the target later accepts. Untrained early exits of the bundled model agree with it on 5% (8
-layers) to 33% (16 layers) of tokens; the useful drafts are the trained exit (its shared-prefix
-KV is at most L=8 of 30 layers, and writing it into the target's cache costs a copy per step,
-while the target recomputes those 8 layers for all k+1 tokens in one batched pass that costs
-about 1.15x a one-token pass) and skip sets (whose kept layers past the first skipped one see
-other inputs than in the target, so their KV differs). The saving is at most a few percent of
-a verification pass, below our run-to-run noise, so we keep the simpler separate draft cache.
+the target later accepts. Untrained early exits of the bundled model rarely agree with it
+(docs/self_speculation.md); the useful drafts are the trained exit (its shared-prefix KV is at
+most L=8 of 30 layers, and writing it into the target's cache costs a copy per step, while the
+target recomputes those 8 layers for all k+1 tokens in one batched pass that costs little more
+than a one-token pass) and skip sets (whose kept layers past the first skipped one see other
+inputs than in the target, so their KV differs). The saving is at most a few percent of a
+verification pass, below our run-to-run noise, so we keep the simpler separate draft cache.
 """
 
 from __future__ import annotations
@@ -53,9 +53,9 @@ log = logging.getLogger(__name__)
 
 def default_spec(num_layers: int) -> str:
     """The draft used when nothing is calibrated: an early exit at 2/3 of the depth with a high
-    confidence stop, the fastest training-free choice measured on the bundled model (still
-    slower than plain decoding there: 0.66x at exit:20@0.7 against 0.45-0.60x for skip sets and
-    other stops, on summarization training prompts). Calibrate, and train an exit, instead.
+    confidence stop, the fastest training-free choice measured on the bundled model, though
+    still slower than plain decoding there (docs/self_speculation.md). Calibrate, and train an
+    exit, instead.
 
     >>> default_spec(30)
     'exit:20@0.7'

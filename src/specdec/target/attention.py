@@ -1,9 +1,10 @@
 """A grouped-query SDPA attention function, registered through transformers' public interface.
 
 Stock ``sdpa`` attention repeats the key/value heads (``repeat_kv``) whenever a mask is needed,
-which is every multi-token verification pass over a cache; that copy costs ~18 ms per pass for
-the bundled model here. ``scaled_dot_product_attention(enable_gqa=True)`` attends to the shared
-heads directly and gives identical results. Registering it under a new name
+which is every multi-token verification pass over a cache, and that copy is a noticeable share
+of the pass (experiments/verification-cost/2026-11-29-numerics.md).
+``scaled_dot_product_attention(enable_gqa=True)`` attends to the shared heads directly and
+gives identical results. Registering it under a new name
 (``AttentionInterface.register``) is the documented extension point: no model code is patched.
 
 The row-wise form (:func:`rowwise_sdpa_attention`) is what the low-bit numerics and the kquant

@@ -83,12 +83,11 @@ def default_draft_dtype(target: LoadedModel) -> str:
     """The draft's numerics in torch when none is asked for: the fastest measured, since the
     draft's rounding cannot reach the output (every drafted token is verified by the target).
 
-    On a CPU that is ``int4`` (weight-only, group 32) on both kinds of machine measured. On the
-    Qwen2.5-Coder 0.5B draft: an AVX-512 Xeon, one thread, 57 ms per token against 212 ms in
-    fp32 (0.13 of the fp32 target's step instead of 0.47; docs/lowbit.md); an AVX2-only EPYC,
-    two threads, drafting a chain over a 300-token cache, 57-61 ms against weight-only int8's
-    62-90 and fp32's 129 (docs/2026-12-03-draft-vocab.md). int8's faster single projection on
-    AVX2 (1.14 ms against 1.95, a weight hot in cache) does not survive a whole forward.
+    On a CPU that is ``int4`` (weight-only, group 32), on both kinds of CPU measured (AVX-512
+    with VNNI/AMX, and AVX2 only): a drafted token of the Qwen2.5-Coder 0.5B costs a fraction
+    of its fp32 cost, and less than in weight-only ``int8``, whose faster single projection on
+    AVX2 (a weight hot in cache) does not survive a whole forward (docs/methods.md, the draft
+    model; docs/lowbit.md; experiments/draft-model/2026-12-03-draft-vocab.md).
     ``int8-dynamic`` takes any shape, so it is the fallback for a draft whose linears int4
     cannot pack. A ``float64`` target is an exactness reference, so its draft stays float64;
     off the CPU there are no low-bit kernels and the draft runs in the target's numerics.
@@ -156,12 +155,12 @@ def draft_gguf_path(spec: str) -> Path:
 def llamacpp_by_default(spec: str, target: LoadedModel, *, chain: bool, vocab: int | None) -> bool:
     """Whether a draft with no ``dtype=`` runs in llama.cpp (requantized to Q4_0): a chain
     drafted from a GGUF file (or a pack) for a CPU target, where llama-cpp-python is installed.
-    On the Qwen2.5-Coder pair on an AVX2 EPYC a drafted token cost 32 ms there against 58 ms in
-    torch's int4 kernels, and the pair ran faster on every prompt measured
-    (docs/2026-12-04-llamacpp-draft.md); requantized to Q4_0 the draft decodes 1.8x faster
-    again with the same acceptance (docs/2026-12-05-draft-requant.md). Trees need
-    4D masks and stay in torch; a float64 target is an exactness reference and keeps a float64
-    draft."""
+    On the Qwen2.5-Coder pair a drafted token cost far less there than in torch's int4 kernels,
+    and the pair ran faster on every prompt measured
+    (experiments/draft-model/2026-12-04-llamacpp-draft.md); requantized to Q4_0 the draft
+    decodes faster again with the same acceptance
+    (experiments/draft-model/2026-12-05-draft-requant.md). Trees need 4D masks and stay in
+    torch; a float64 target is an exactness reference and keeps a float64 draft."""
     is_gguf = (is_pack(spec) and not Path(spec).exists()) or spec.lower().endswith(".gguf")
     return (
         is_gguf

@@ -3,9 +3,9 @@ kernel that keeps verification cheap (``csrc/kquant.cpp``).
 
 Why: llama.cpp decodes one token at memory speed, but its CPU kernels are bound by arithmetic
 from two rows on, so verifying k drafted tokens costs nearly k decode steps and speculation
-loses to its plain decoding (docs/2026-12-05-zen4-isa.md). This kernel unpacks each 256-weight
-super-block once and multiplies it with up to 8 rows by integer dot products (AVX-512 VNNI, or
-AVX2 with the same bits; ``extension().path_name()`` says which runs).
+loses to its plain decoding (experiments/llamacpp/2026-12-05-zen4-isa.md). This kernel unpacks
+each 256-weight super-block once and multiplies it with up to 8 rows by integer dot products
+(AVX-512 VNNI, or AVX2 with the same bits; ``extension().path_name()`` says which runs).
 
 Exactness: the weights are the file's codes and 6-bit sub-block scales as integers and its
 fp16 ``d``/``dmin`` held in fp32, so nothing is rounded a second time; activations are rounded
@@ -14,8 +14,8 @@ alone in the same order whatever the row count, so a k-row verification pass giv
 bit for bit what a one-row decoding step gives it.
 
 The extension is compiled on first use with torch's own toolchain (``ninja`` and a C++
-compiler) into ``$XDG_CACHE_HOME/specdec/ext`` (``~/.cache`` by default), about 25 s once per
-machine and torch version.
+compiler) into ``$XDG_CACHE_HOME/specdec/ext`` (``~/.cache`` by default), once per machine and
+torch version (its compile time: experiments/kquant/2026-12-05-kquant.md).
 """
 
 from __future__ import annotations

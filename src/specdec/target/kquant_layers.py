@@ -1,10 +1,11 @@
 """Lean attention, MLP and RMSNorm modules for ``--dtype kquant`` models of the Qwen2/Llama
 family, swapped in for Hugging Face's, and a lean decoder-layer forward over them.
 
-Why: at one to eight rows a decode step's linears take ~26 ms on the Qwen2.5-Coder 1.5B, and
-HF's modules around them took another 10-13 ms, mostly per-operator dispatch and Python (about
-40 torch operators a layer: RMSNorm's pow/mean/rsqrt chain, RoPE's ``rotate_half`` with its
-``cat``, 8 per row and head group in row-wise attention, six module calls). Here:
+Why: at one to eight rows HF's modules around a decode step's linears cost a large share of
+what the linears themselves cost, mostly per-operator dispatch and Python (about 40 torch
+operators a layer: RMSNorm's pow/mean/rsqrt chain, RoPE's ``rotate_half`` with its ``cat``, 8
+per row and head group in row-wise attention, six module calls; the split:
+experiments/kquant/2026-12-05-kquant.md). Here:
 
 - q/k/v (and gate/up) whose GGUF blocks are of one kind run as one kernel call over their
   concatenated rows (the layers keep views of the fused rows, so nothing is stored twice):
@@ -17,10 +18,10 @@ HF's modules around them took another 10-13 ms, mostly per-operator dispatch and
 
 Attention sums in another order than torch's ``bmm`` (AVX-512, scores of a kv head's query
 heads together), so verification and decoding logits differ from before by float rounding;
-decoding bench/lowbit.py's fixed text in 8-token passes gave perplexity 13.45 against 13.42 and
-the same argmax at 98% of positions (bench/kquant_rest.py --quality), where one RMSNorm
-summation order against another moves it as much: int8 activation rounding amplifies any
-rounding difference.
+decoding bench/lowbit.py's fixed text in 8-token passes moved perplexity and argmax about as
+much as one RMSNorm summation order against another does (experiments/kquant/kquant_rest.py
+--quality; the figures: experiments/kquant/2026-12-05-kquant.md): int8 activation rounding
+amplifies any rounding difference.
 
 Losslessness is unchanged: every one of these computes a row from that row alone, in the same
 order whatever the number of rows (attention over the keys the row may see, in cache order), so

@@ -1,6 +1,6 @@
 """Models run by llama.cpp (through ``llama-cpp-python``) straight from their GGUF files: a
-draft (``draft:MODEL,dtype=gguf``) and, since issue 24, the target (``--dtype gguf``,
-:class:`LlamaCppTarget` at the end of this module).
+draft (``draft:MODEL,dtype=gguf``) and the target (``--dtype gguf``, :class:`LlamaCppTarget`
+at the end of this module).
 
 Why: on a CPU the draft's cost per token decides whether draft-model speculation pays, and
 llama.cpp's quantised dot products (int4/int5 weight blocks times int8 activation blocks, one
@@ -109,10 +109,10 @@ def has_amx(cpuinfo: str | None = None) -> bool:
     """Whether this CPU has AMX tiles (Intel Sapphire Rapids and later), from /proc/cpuinfo.
 
     Why it matters: llama.cpp built for such a CPU repacks weights into its AMX buffer type,
-    and its first decode there crashed the process (segmentation fault in ``llama_decode``, the
-    bundled Q4_1 model, llama-cpp-python 0.3.36 on a 2-core Xeon; upstream
-    ggml-org/llama.cpp#20824, closed without a fix). :class:`LlamaModel` then loads without
-    extra buffer types: no repacking, the plain CPU kernels.
+    and its first decode there crashed the process (segmentation fault in ``llama_decode``,
+    llama-cpp-python 0.3.36; upstream ggml-org/llama.cpp#20824, closed without a fix; the same
+    crash in a llama.cpp build: experiments/llamacpp/2026-12-01-lowbit.md). :class:`LlamaModel`
+    then loads without extra buffer types: no repacking, the plain CPU kernels.
 
     >>> has_amx("flags\t\t: fpu avx512f amx_bf16 amx_tile amx_int8")
     True
@@ -230,9 +230,9 @@ class LlamaCppRunner:
     def _new_batch(self):  # noqa: ANN202 - a ctypes struct
         """One batch of PASS slots for every verification pass, every row's logits asked for.
 
-        Why: allocating and filling a batch per pass from Python cost about 4% of a decode step
-        of the 1.5B Qwen (measured in a tight loop); only tokens and positions change between
-        passes, and they are written through numpy views."""
+        Why: allocating and filling a batch per pass from Python cost a measurable share of a
+        decode step (experiments/llamacpp/2026-12-04-llamacpp-plain-gap.md); only tokens and
+        positions change between passes, and they are written through numpy views."""
         lib = self._lib
         batch = lib.llama_batch_init(PASS, 0, 1)
         for i in range(PASS):
@@ -344,11 +344,11 @@ def requantized(gguf: str | Path, kind: str = "q4_0", cache_dir: Path | None = N
 
     Why: a draft's numerics cannot change the output (the target verifies every drafted
     token), only how often a draft is accepted, so the draft may run in whichever weights are
-    fastest. The Qwen2.5-Coder-0.5B Q4_K_M file holds a Q8_0 output head (37% of the bytes a
-    token reads) and Q5_0 layers, which llama.cpp multiplies with its generic dot products on
-    an AVX2 CPU; requantized to Q4_0 (2.4 s) every matrix takes its repacked 8x8 kernels, and
-    on a 2-core EPYC it decodes 88.8 tok/s against 48.3 (llama-bench tg64), with the pair's
-    acceptance unchanged (docs/2026-12-05-draft-requant.md). The cached file is keyed by the
+    fastest. The Qwen2.5-Coder-0.5B Q4_K_M file holds a Q8_0 output head (a large share of the
+    bytes a token reads) and Q5_0 layers, which llama.cpp multiplies with its generic dot
+    products on an AVX2 CPU; requantized to Q4_0 (in seconds) every matrix takes its repacked
+    8x8 kernels, and the draft decodes much faster with the pair's acceptance unchanged
+    (experiments/draft-model/2026-12-05-draft-requant.md). The cached file is keyed by the
     source's path, size and modification time, and written under a temporary name first, so
     an interrupted run never leaves a file that looks whole.
     """
@@ -425,8 +425,8 @@ class LlamaCppTarget:
     """The target verified by llama.cpp from its GGUF file (``--dtype gguf``).
 
     Why: on a CPU, llama.cpp's kernels run the GGUF's own quantised blocks with no second
-    rounding and no Python between layers: the 1.5B Qwen decodes about 1.8x faster there than
-    with our best torch numerics on an AVX2 EPYC (docs/2026-12-04-int4-ort.md). Lossless means,
+    rounding and no Python between layers: the 1.5B Qwen decodes faster there than with our
+    best torch numerics (docs/lowbit.md, every choice side by side). Lossless means,
     as everywhere, with respect to the numerics run: llama.cpp's logits for a k-token pass may
     differ in the last bits from k one-token passes (llama.cpp picks other kernels for other
     batch sizes), so a near-tie can decide differently in speculative and plain decoding.

@@ -1,18 +1,18 @@
 """Low-bit weight numerics on the CPU: ``nn.Linear`` swaps onto torch's own quantised kernels.
 
-Three kernels, three trade-offs (measured on the Qwen2.5-Coder pair: ``docs/lowbit.md``):
+Three kernels, three trade-offs (their figures: ``docs/lowbit.md``):
 
 - ``int4`` / ``int4-g128``: 4-bit weights, asymmetric, one bf16 scale and zero per group of 32
   (128) input weights, bf16 activations (``aten._weight_int4pack_mm_for_cpu``). The fewest bytes
-  per token, but its cost grows with the row count (about 8x at 16 rows), so verifying a draft
-  costs nearly as many decode steps as it verifies.
+  per token, but its cost grows with the row count, so verifying a draft costs nearly as many
+  decode steps as it verifies.
 - ``int8``: 8-bit weights, symmetric, one bf16 scale per output channel, bf16 activations
   (``aten._weight_int8pack_mm``); the same small-row growth as ``int4``.
 - ``int8-dynamic``: 8-bit weights per output channel *and* 8-bit activations quantised per row
   (per token) on the fly, multiplied by oneDNN's u8s8 GEMM (AMX or VNNI where the CPU has them,
-  ``onednn.qlinear_pointwise``). Near-flat T(k): 16 rows cost about 1.15 rows. This is the
-  path that keeps small-row cost flat: the integer GEMM does the arithmetic of k rows in about
-  the time of reading the weight once.
+  ``onednn.qlinear_pointwise``). Near-flat T(k) where the CPU has AMX or VNNI: this is the
+  path that keeps small-row cost flat, as the integer GEMM does the arithmetic of k rows in
+  about the time of reading the weight once.
 
 Why speculation stays lossless (greedy output token for token that of plain decoding under the
 same numerics): every kernel here computes each output row from that row alone, in the same
@@ -47,8 +47,8 @@ from specdec.target.gguf_blocks import q4k_fields
 INT4_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu packs 16 output channels together
 INT8_K_MULTIPLE = 16  # _weight_int8pack_mm reads 16 inputs at a time (and crashes on a rest)
 # Passes of more rows than this (a prompt's prefill, a draft's first catch-up) dequantise the
-# weight once and run one dense matmul: the int4/int8 kernels cost ~0.4 ms per row on a
-# 1536 x 8960 projection, so a 1,000-token prompt took about a minute through them. Plain and
+# weight once and run one dense matmul: the int4/int8 kernels pay for every row, so a long
+# prompt through them is far slower than one dense matmul (docs/lowbit.md). Plain and
 # speculative decoding prefill the same prompt the same way, and verification passes (at most
 # 64 rows) never take this path, so it cannot make their outputs differ.
 DENSE_ROWS = 64
@@ -57,9 +57,9 @@ DENSE_ROWS = 64
 @functools.cache
 def dense_dtype() -> torch.dtype:
     """The dtype of the dense path: bf16 where oneDNN multiplies bf16 natively (AVX-512, AMX),
-    fp32 elsewhere. On an AVX2-only CPU (an AMD EPYC here) a bf16 matmul is emulated: 700 rows
-    through a 1536 x 8960 projection took 1,799 ms in bf16 against 212 ms in fp32, which made an
-    int4 draft's prompt catch-up cost more than the fp32 target's own prefill (docs/lowbit.md)."""
+    fp32 elsewhere. Without native bf16 (AVX2 only) oneDNN emulates a bf16 matmul, many times
+    slower than fp32, which made an int4 draft's prompt catch-up cost more than the fp32
+    target's own prefill (docs/lowbit.md)."""
     try:
         native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
@@ -107,7 +107,7 @@ def q4k_to_int4(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.T
     ``m`` 6-bit per sub-block). That is the int4 kernel's ``w = (q - 8) * scale + zero`` with
     group 32, ``scale = d * sc`` and ``zero = 8 * d * sc - dmin * m``: the same codes, and in
     fp32 the same weights (``d * sc`` needs 17 significant bits, fp32 has 24). The kernel's fast
-    path reads scales and zeros in bf16 (8 bits; its fp32 path is a ~60x slower reference), so
+    path reads scales and zeros in bf16 (8 bits; its fp32 path is a far slower reference), so
     there they are rounded: a relative error up to 2^-9 of each group's scale, not a second
     rounding of the codes. ``blocks``: the tensor's bytes as ``[N, K / 256 * 144]`` uint8.
     Returns ``q [N, K] int32``, ``scale [N, K/32]``, ``zero [N, K/32]`` (fp32).
@@ -165,7 +165,7 @@ class Int4WeightLinear(nn.Module):
         s, z = self.scales_and_zeros.float().unbind(-1)  # [K/G, N] each
         s = s.t().contiguous().unsqueeze(-1)  # [N, K/G, 1]
         # (q - 8) s + z as one fused pass, q s + (z - 8 s): a long pass dequantises every linear
-        # once, which took 3-7x longer as four separate full-size passes
+        # once, which took several times longer as four separate full-size passes
         return torch.addcmul(z.t().contiguous().unsqueeze(-1) - 8 * s, q, s).view(n, k).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -253,9 +253,9 @@ class DynamicInt8Linear(nn.Module):
     int32. So one row and the same row among k others give identical results, which keeps
     greedy speculation token-identical to plain decoding under these numerics.
 
-    Without VNNI (AVX2 only, e.g. many AMD EPYC parts) oneDNN multiplies u8 x s8 pairs into a
-    saturating int16 (``vpmaddubsw``): 255 x 127 x 2 overflows it, and a full-range row came
-    out 16% off. There activations use 7 bits (scale max / 63, codes 1..127), which cannot
+    Without VNNI (AVX2 only) oneDNN multiplies u8 x s8 pairs into a saturating int16
+    (``vpmaddubsw``): 255 x 127 x 2 overflows it, and a full-range row came out far off
+    (docs/lowbit.md). There activations use 7 bits (scale max / 63, codes 1..127), which cannot
     saturate; PyTorch's own x86 quantisation reduces the range for the same reason."""
 
     levels: int = 127  # activation code magnitude; set per CPU in __init__

@@ -56,7 +56,8 @@ class PackedLinear(nn.Module):
 
 
 class Fp16WeightLinear(nn.Module):
-    """Weights stored in fp16, maths in fp32 (fbgemm): faster, logits within ~0.03 of fp32."""
+    """Weights stored in fp16, maths in fp32 (fbgemm): faster, logits close to fp32's (how
+    close: experiments/verification-cost/2026-11-29-numerics.md)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -103,10 +104,10 @@ _MADV_PAGEOUT = 21  # Linux >= 5.4: reclaim these pages now; file-backed ones ar
 def _page_out(weight: torch.Tensor) -> None:
     """Hand the pages of a weight just repacked back to the kernel. Loaded through a memory map
     (transformers' default for safetensors), they stay resident until the whole file's mapping
-    goes, so repacking a model would briefly hold it twice (13.7 GiB peak for the 7.1 GiB
-    Qwen2.5-Coder-1.5B). PAGEOUT keeps the contents: file-backed pages are dropped and re-read
-    if touched again (a tied embedding still uses them), anonymous ones without swap stay put.
-    Best effort: other systems, or kernels without it, simply keep the pages."""
+    goes, so repacking a model would briefly hold it twice (the peak: docs/models.md, Devices).
+    PAGEOUT keeps the contents: file-backed pages are dropped and re-read if touched again (a
+    tied embedding still uses them), anonymous ones without swap stay put. Best effort: other
+    systems, or kernels without it, simply keep the pages."""
     if not sys.platform.startswith("linux") or weight.device.type != "cpu":
         return
     try:
@@ -280,7 +281,7 @@ def _own_tensors(model: nn.Module) -> None:
     """Copy the parameters and buffers the swaps left (embeddings, norms) out of the loaded
     checkpoint. transformers memory-maps safetensors files, and the mapping lives as long as any
     tensor viewing it; every page the repacking read stays resident with it, beside the packed
-    copies (measured on Qwen2.5-Coder-1.5B: 11.9 GiB resident instead of 7.2)."""
+    copies (what that costs: docs/models.md, Devices)."""
     for module in model.modules():
         for name, p in list(module._parameters.items()):
             if p is not None:

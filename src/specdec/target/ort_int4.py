@@ -2,13 +2,12 @@
 kernels (the ``MatMulNBits`` operator), one session per linear layer.
 
 Why another int4: torch's own CPU int4 kernel (``--dtype int4``) unpacks nibbles into bf16
-and is compute-bound on an AVX2-only CPU (1.95 ms for one row through a 1536 x 8960
-projection on one EPYC core, 3.5 GB/s of weights), where llama.cpp multiplies the same 4-bit
-blocks by 8-bit activation blocks with integer dot products. MLAS does the same
-(``accuracy_level=4``: each 32-weight block's activations rounded to int8 with their own
-scale, integer dot products, fp32 block sums): 0.70 ms for that row on one core, 0.37 ms for
-two rows on two (docs/lowbit.md). It is a maintained library (onnxruntime's CPU kernels, with
-AVX2, AVX-512 and ARM paths) rather than a kernel of ours.
+and is compute-bound on an AVX2-only CPU, reading its weights far below memory speed, where
+llama.cpp multiplies the same 4-bit blocks by 8-bit activation blocks with integer dot
+products. MLAS does the same (``accuracy_level=4``: each 32-weight block's activations rounded
+to int8 with their own scale, integer dot products, fp32 block sums) and runs a row in a
+fraction of torch's time (docs/lowbit.md, ``int4-ort``). It is a maintained library
+(onnxruntime's CPU kernels, with AVX2, AVX-512 and ARM paths) rather than a kernel of ours.
 
 Lossless under these numerics needs every output row to be computed from its own input row in
 the same order whatever the number of rows in the call (see :mod:`specdec.target.lowbit`).
@@ -16,15 +15,15 @@ MLAS runs a single row through a GEMV kernel whose block sums are ordered differ
 multi-row kernel (up to 1e-6 apart), and all multi-row calls agree with each other bit for bit
 (measured for 2..64 rows, one and two threads; ``tests/test_lowbit.py``). So a one-row call
 runs as two copies of the row and keeps the first: the multi-row kernel is the only one ever
-used, and on two threads the two-row call is also twice as fast as the one-row one (the GEMV
-path runs on one thread).
+used, and on two threads the two-row call is also faster than the one-row one (the GEMV path
+runs on one thread).
 
 Weights: asymmetric 4-bit codes per 32 input weights with an fp32 scale and a 4-bit zero point
 (``w = (q - zp) * scale``), rounded once from the fp32 weight; each session prepacks them into
 its own layout. Threads: every session shares one onnxruntime pool sized from torch's thread
 count when the first layer is built, and torch's own ops run on one thread during the model's
 forward (:func:`torch_single_threaded`), so the pool's spinning workers and torch's never fight
-over the same cores (measured in :func:`_global_pool`).
+over the same cores (see :func:`_global_pool`).
 """
 
 from __future__ import annotations
@@ -88,11 +87,11 @@ def _global_pool() -> None:
     """One onnxruntime thread pool for every session of the process, sized from torch's thread
     count when the first int4-ort layer is built (it cannot be resized afterwards).
 
-    Measured on the 2-core EPYC (Qwen2.5-Coder-1.5B, one forward of one token): a pool per
-    session with spinning workers (onnxruntime's default) took 5.7 s, every idle pool's worker
-    spinning on the core the next session needs; pools per session whose workers sleep, 128 ms;
-    this shared pool with torch itself on one thread during the forward (see
-    :func:`torch_single_threaded`), 91-108 ms."""
+    Why one: a pool per session with spinning workers (onnxruntime's default) made a forward
+    many times slower, every idle pool's worker spinning on the core the next session needs;
+    pools per session whose workers sleep were better, and this shared pool with torch itself on
+    one thread during the forward (see :func:`torch_single_threaded`) the fastest of the three
+    (the timings: docs/lowbit.md, "Threads, and where a step goes")."""
     import onnxruntime as ort
     from onnxruntime.capi import _pybind_state
 
@@ -148,7 +147,7 @@ def torch_single_threaded(model: nn.Module) -> None:
     """Run torch's own ops (attention, norms, rotary embeddings: small at decoding sizes) on
     one thread during ``model``'s forward, then restore the caller's count. The onnxruntime
     pool's workers spin between calls; torch's OpenMP workers spinning on the same cores made
-    the forward 2.3x slower (288 ms against 108 on the EPYC, one token)."""
+    the forward much slower (docs/lowbit.md, "Threads, and where a step goes")."""
     saved: list[int] = []
 
     def pre(module: nn.Module, args: object) -> None:
