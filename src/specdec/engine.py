@@ -18,20 +18,8 @@ from specdec.grammar import Grammar
 from specdec.request import Prompt
 from specdec.speculators import SpeculatorOptions, build_speculator, parse_spec
 from specdec.speculators.auto import AutoOptions, build_arm_controller
-from specdec.target import HFTarget, LoadedModel, Target, load_model
+from specdec.target import LoadedModel, load_model
 from specdec.verify import TypicalAcceptanceRule
-
-
-def _target_for(loaded: LoadedModel) -> Target:
-    """The verifier: the torch model itself, or for ``dtype="gguf"`` llama.cpp running the GGUF
-    file the model was loaded from (:class:`specdec.target.llamacpp.LlamaCppTarget`)."""
-    from specdec.target.loading import GGUF_DTYPE
-
-    if loaded.dtype_name == GGUF_DTYPE:
-        from specdec.target.llamacpp import LlamaCppTarget
-
-        return LlamaCppTarget(loaded.source, threads=torch.get_num_threads())
-    return HFTarget(loaded)
 
 
 class SpeculativeEngine(Decoder):
@@ -90,16 +78,11 @@ class SpeculativeEngine(Decoder):
             "adaptive": adaptive,
             "acceptance_rule": TypicalAcceptanceRule() if typical_acceptance else None,
         }
-        target = _target_for(loaded)
+        target = loaded.backend.verifier(loaded, threads=torch.get_num_threads())
         if isinstance(options, AutoOptions):
             arms = build_arm_controller(loaded, options, k)
             return cls(target, loaded.tokenizer, arms=arms, **common)
         return cls(target, loaded.tokenizer, build_speculator(loaded, options), **common)
-
-    @property
-    def batchable(self) -> bool:
-        """Whether :mod:`specdec.batch` can drive this engine's target (a Hugging Face one)."""
-        return isinstance(self.target, HFTarget)
 
     # -- the loop -------------------------------------------------------------------------------
     def stream(

@@ -101,7 +101,7 @@ class BatchScheduler:
             raise ConfigError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise ConfigError(f"the prefill chunk must be an integer >= 1, got {chunk!r}")
-        if not isinstance(engine.target, HFTarget):
+        if not engine.batchable or not isinstance(engine.target, HFTarget):
             raise ConfigError(
                 "batched decoding needs a Hugging Face target (SpeculativeEngine.from_pretrained)"
             )

@@ -25,7 +25,7 @@ from specdec.logprobs import token_logprobs
 from specdec.request import Prompt, check_fits, encode_prompt
 from specdec.speculators import NoSpeculator, Speculator
 from specdec.speculators.auto import ArmController
-from specdec.target import LoadedModel, Target
+from specdec.target import HFTarget, LoadedModel, Target
 from specdec.tree import DraftTree
 from specdec.verify import Acceptance, AcceptanceRule, make_generator, rule_for
 
@@ -131,6 +131,13 @@ class Decoder:
     def feature_layers(self) -> tuple[int, ...]:
         """The target layers whose hidden states its speculators read."""
         return self.arms.feature_layers if self.arms else self.speculator.feature_layers
+
+    @property
+    def batchable(self) -> bool:
+        """Whether :class:`specdec.batch.BatchScheduler` can drive this decoder: its backend
+        batches, and the verifier is the torch module the batch target shares."""
+        backend_batches = self.loaded is None or self.loaded.backend.batching
+        return backend_batches and isinstance(self.target, HFTarget)
 
     def encode(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, chat)

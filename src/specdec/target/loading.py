@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from specdec.errors import ModelNotFoundError
-from specdec.target.backends import LLAMACPP, backend_for
+from specdec.target.backends import backend_for
 from specdec.target.base import LoadedModel, ModelSource, identity_mismatch
 from specdec.target.checkpoints import (
     DEFAULT_GGUF_NAME,
@@ -30,15 +30,10 @@ from specdec.target.checkpoints import (
 )
 from specdec.target.files import cache_root
 
-# the llama.cpp backend's dtype, for callers that still compare it (engine._target_for);
-# ``loaded.backend`` says the same without a string
-GGUF_DTYPE = LLAMACPP.dtypes[0]
-
 __all__ = [
     "DEFAULT_GGUF_NAME",
     "DEFAULT_MODEL_HUB_ID",
     "DEFAULT_MODEL_PACKAGE",
-    "GGUF_DTYPE",
     "INSTALL_HINT",
     "LoadedModel",
     "cache_root",
