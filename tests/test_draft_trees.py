@@ -180,7 +180,7 @@ def sampling_pair():
     return target, draft
 
 
-def _exact_joint(model, prompt: list[int]) -> dict[tuple[int, ...], float]:
+def exact_joint(model, prompt: list[int]) -> dict[tuple[int, ...], float]:
     cfg = SamplingConfig(**SAMPLING)
     joint = {}
     for seq in itertools.product(range(V + 1), repeat=N_NEW):
@@ -196,7 +196,7 @@ def _exact_joint(model, prompt: list[int]) -> dict[tuple[int, ...], float]:
     return joint
 
 
-def _sample_joint(engine: SpeculativeEngine, prompt: list[int]) -> Counter:
+def sample_joint(engine: SpeculativeEngine, prompt: list[int]) -> Counter:
     counts: Counter = Counter()
     for seed in range(SAMPLES):
         config = GenerationConfig(
@@ -209,7 +209,7 @@ def _sample_joint(engine: SpeculativeEngine, prompt: list[int]) -> Counter:
     return counts
 
 
-def _pvalue(counts: Counter, joint: dict[tuple[int, ...], float]) -> float:
+def tree_pvalue(counts: Counter, joint: dict[tuple[int, ...], float]) -> float:
     return chi_square_pvalue(counts, joint, SAMPLES)
 
 
@@ -222,7 +222,7 @@ class _IndependentRows(DraftModelSpeculator):
                 for t, c, row in super()._children(q, width, greedy, context)]  # fmt: skip
 
 
-def _engine(pair, cls=DraftModelSpeculator) -> tuple[SpeculativeEngine, list]:
+def tree_engine(pair, cls=DraftModelSpeculator) -> tuple[SpeculativeEngine, list]:
     target, draft = pair
     # priced as cheap, so that every step drafts a 3-wide tree two deep (up to 12 nodes)
     spec = cls(ModelRunner(draft), tree=TreeShape(3, 2), max_depth=2, cost_prior=0.05)
@@ -238,25 +238,26 @@ def _engine(pair, cls=DraftModelSpeculator) -> tuple[SpeculativeEngine, list]:
     return SpeculativeEngine(HFTarget(target), target.tokenizer, spec, loaded=target), trees
 
 
+@pytest.mark.slow(threads=1)
 def test_sampled_draft_trees_follow_the_target_and_the_test_has_power(sampling_pair):
     target, draft = sampling_pair
     prompt = [1, 4]
-    joint = _exact_joint(target.model, prompt)
+    joint = exact_joint(target.model, prompt)
     # the draft differs clearly from the target at the first token
     cfg = SamplingConfig(**SAMPLING)
     with torch.inference_mode():
         p = probs_from_logits(target.model(input_ids=torch.tensor([prompt])).logits[0, -1:], cfg)
         q = probs_from_logits(draft(input_ids=torch.tensor([prompt])).logits[0, -1:], cfg)
     assert float(0.5 * (p - q).abs().sum()) > 0.2
-    engine, trees = _engine(sampling_pair)
-    pvalue = _pvalue(_sample_joint(engine, prompt), joint)
+    engine, trees = tree_engine(sampling_pair)
+    pvalue = tree_pvalue(sample_joint(engine, prompt), joint)
     assert pvalue > ALPHA, f"draft-model trees depart from p (chi-square p = {pvalue:.2e})"
     # the trees branched and drafts were accepted (the test exercised the multi-draft rule)
     assert sum(len(t.children[0]) > 1 for t in trees) > SAMPLES // 2
     long = engine.generate("t1 t4", max_new_tokens=40, ignore_eos=True, temperature=0.9, seed=0)
     assert long.stats.mean_accepted > 1.3
-    wrong, _ = _engine(sampling_pair, _IndependentRows)
-    bad = _pvalue(_sample_joint(wrong, prompt), joint)
+    wrong, _ = tree_engine(sampling_pair, _IndependentRows)
+    bad = tree_pvalue(sample_joint(wrong, prompt), joint)
     assert bad < ALPHA, f"independent-draw rows for w/o-replacement siblings undetected ({bad:.2e})"
 
 

@@ -31,11 +31,11 @@ from specdec.speculators.spec import parse_spec
 from specdec.target import load_model
 from tests.test_draft_trees import (
     ALPHA,
-    _engine,
-    _exact_joint,
-    _pvalue,
-    _sample_joint,
+    exact_joint,
+    sample_joint,
     sampling_pair,  # noqa: F401 - a fixture
+    tree_engine,
+    tree_pvalue,
 )
 
 PROMPTS = ["the cat sat on the mat", "one two three four five six", "a b c a b c a b"]
@@ -125,6 +125,7 @@ def test_a_reduced_vocabulary_draft_is_lossless_and_drafts_only_kept_tokens(
     assert everything - kept
 
 
+@pytest.mark.slow(threads=1)
 def test_sampled_output_through_a_reduced_vocabulary_draft_follows_the_target(sampling_pair):  # noqa: F811
     """The draft scores 3 of the 7 tokens (q = 0 elsewhere); siblings drawn without
     replacement from that q, verified by the multi-draft rule: the joint distribution of 3
@@ -133,11 +134,11 @@ def test_sampled_output_through_a_reduced_vocabulary_draft_follows_the_target(sa
     ids = torch.tensor([0, 2, 5])
     view = with_subset_head(draft, ids, "float32")
     view.get_output_embeddings().rows = None  # no context extras: 7 tokens would all be in it
-    engine, trees = _engine((target, view))
+    engine, trees = tree_engine((target, view))
     prompt = [1, 4]
-    joint = _exact_joint(target.model, prompt)
-    counts = _sample_joint(engine, prompt)
-    pvalue = _pvalue(counts, joint)
+    joint = exact_joint(target.model, prompt)
+    counts = sample_joint(engine, prompt)
+    pvalue = tree_pvalue(counts, joint)
     assert pvalue > ALPHA, f"a reduced-vocabulary draft departs from p (p = {pvalue:.2e})"
     drafted = {tok for t in trees for tok in t.tokens[1:]}
     assert drafted <= set(ids.tolist()) and len(drafted) > 1

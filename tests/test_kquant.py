@@ -31,6 +31,8 @@ from specdec.target.lowbit import SCHEMES
 from specdec.target.numerics import dense_weight, swap_linears
 from specdec.tree import DraftTree
 
+pytestmark = pytest.mark.slow(threads=1)  # the kernel compiles once per session: over a minute
+
 KINDS = {"Q4_K": (144, GGMLQuantizationType.Q4_K), "Q6_K": (210, GGMLQuantizationType.Q6_K)}
 
 
@@ -125,7 +127,7 @@ def test_the_simd_and_portable_paths_agree():
         assert torch.allclose(simd, portable, rtol=1e-5, atol=1e-5 * portable.abs().max().item())
 
 
-def _kquant_model(
+def kquant_model(
     tiny_tokenizer_dir: Path, tmp_path: Path, seed: int, lean: bool = False
 ) -> LoadedModel:
     """A 2-layer llama-shaped model (hidden 256, every width a multiple of 256) whose linears
@@ -167,7 +169,7 @@ def _kquant_model(
 
 @pytest.mark.parametrize("lean", [False, True], ids=["hf-modules", "lean-modules"])
 def test_the_whole_forward_is_row_invariant(tiny_tokenizer_dir, tmp_path, lean):
-    loaded = _kquant_model(tiny_tokenizer_dir, tmp_path, seed=5, lean=lean)
+    loaded = kquant_model(tiny_tokenizer_dir, tmp_path, seed=5, lean=lean)
     assert all(not isinstance(m, nn.Linear) for m in loaded.model.modules()), (
         "every linear runs the kernel"
     )
@@ -191,7 +193,7 @@ def test_the_whole_forward_is_row_invariant(tiny_tokenizer_dir, tmp_path, lean):
 def test_greedy_speculation_equals_plain_under_kquant(
     tiny_tokenizer_dir, tiny_draft_dir, tmp_path, spec, lean
 ):
-    target = _kquant_model(tiny_tokenizer_dir, tmp_path, seed=6, lean=lean)
+    target = kquant_model(tiny_tokenizer_dir, tmp_path, seed=6, lean=lean)
     engine = SpeculativeEngine.from_pretrained(
         target,
         speculator=spec.replace("DRAFT", str(tiny_draft_dir)),

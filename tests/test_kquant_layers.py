@@ -23,11 +23,13 @@ from specdec.target.kquant_layers import (
     fuse_runs,
     use_lean_layers,
 )
-from tests.test_kquant import _kquant_model, random_blocks
+from tests.test_kquant import kquant_model, random_blocks
+
+pytestmark = pytest.mark.slow(threads=1)  # the kernel compiles once per session: over a minute
 
 
 def _lean_model(tiny_tokenizer_dir, tmp_path, seed):
-    return _kquant_model(tiny_tokenizer_dir, tmp_path, seed, lean=True)
+    return kquant_model(tiny_tokenizer_dir, tmp_path, seed, lean=True)
 
 
 def test_the_scheme_swaps_in_the_lean_modules(tiny_tokenizer_dir, tmp_path):
@@ -111,7 +113,7 @@ def test_attention_matches_rowwise_attention(masked, portable):
 
 
 def test_the_lean_forward_stays_close_to_hf_modules(tiny_tokenizer_dir, tmp_path):
-    hf = _kquant_model(tiny_tokenizer_dir, tmp_path, seed=4)
+    hf = kquant_model(tiny_tokenizer_dir, tmp_path, seed=4)
     lean = _lean_model(tiny_tokenizer_dir, tmp_path, seed=4)
     prompt = hf.tokenizer("First Citizen:\nBefore we proceed any further")["input_ids"]
     long = prompt * 8  # over ROWWISE_MAX_ROWS: the prefill path
@@ -130,7 +132,7 @@ def test_hidden_states_are_still_recorded(tiny_tokenizer_dir, tmp_path):
 
     states = []
     for lean in (False, True):
-        loaded = _kquant_model(tiny_tokenizer_dir, tmp_path, seed=4, lean=lean)
+        loaded = kquant_model(tiny_tokenizer_dir, tmp_path, seed=4, lean=lean)
         assert isinstance(loaded.model.model.layers[0], LlamaDecoderLayer)
         runner = ModelRunner(loaded.model)
         runner.output_hidden = True

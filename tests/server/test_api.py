@@ -13,6 +13,8 @@ from .conftest import CHAT_QUESTION as CHAT_Q
 from .conftest import COMPLETION_PROMPT as PROMPT
 from .conftest import TINY_NAME, CliRun, Server
 
+pytestmark = pytest.mark.slow(threads=1)  # servers in subprocesses
+
 
 def _stream_completion(client: OpenAI, **kwargs: Any) -> tuple[str, str | None, Any, dict]:
     chunks = list(
@@ -246,7 +248,7 @@ def test_bad_requests_get_openai_errors_and_server_keeps_serving(tiny_server: Se
     assert tiny_server.health()["status"] == "ok"
 
 
-def _samples(server: Server) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def metric_samples(server: Server) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
     out = {}
     for family in text_string_to_metric_families(text):
@@ -256,7 +258,7 @@ def _samples(server: Server) -> dict[tuple[str, tuple[tuple[str, str], ...]], fl
 
 
 def test_metrics_in_prometheus_format(tiny_server: Server) -> None:
-    before = _samples(tiny_server)
+    before = metric_samples(tiny_server)
     ok = ("specdec_requests_total", (("endpoint", "/v1/completions"), ("outcome", "ok")))
     client = tiny_server.client()
     for _ in range(2):
@@ -264,7 +266,7 @@ def test_metrics_in_prometheus_format(tiny_server: Server) -> None:
     _stream_completion(client, prompt=PROMPT, max_tokens=12, temperature=0)
     with tiny_server.http() as http:
         http.post("/v1/completions", json={**OK, "top_p": 7})
-    after = _samples(tiny_server)
+    after = metric_samples(tiny_server)
     assert after[ok] - before.get(ok, 0) == 3
     invalid = ("specdec_requests_total", (("endpoint", "/v1/completions"), ("outcome", "invalid")))
     assert after[invalid] - before.get(invalid, 0) == 1

@@ -8,9 +8,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import psutil
+import pytest
 
 from .conftest import TINY_NAME, Server
-from .test_api import _samples
+from .test_api import metric_samples
+
+pytestmark = pytest.mark.slow(threads=1)  # servers in subprocesses
 
 LINES = [
     "First Citizen: Before we proceed any further, hear me speak.",
@@ -148,7 +151,7 @@ def test_disconnecting_clients_are_cancelled_and_server_keeps_serving(tiny_serve
         "temperature": 0,
         "ignore_eos": True,
     }
-    before = _samples(tiny_server)
+    before = metric_samples(tiny_server)
     hung_up = 0
     with tiny_server.http() as http:
         for _ in range(3):  # streaming clients that read two chunks, then hang up
@@ -168,7 +171,7 @@ def test_disconnecting_clients_are_cancelled_and_server_keeps_serving(tiny_serve
         hung_up += 1
     assert hung_up == 4
     _wait_idle(tiny_server, 3.0)
-    after = _samples(tiny_server)
+    after = metric_samples(tiny_server)
     cancelled = (
         "specdec_requests_total",
         (("endpoint", "/v1/completions"), ("outcome", "cancelled")),
