@@ -163,7 +163,8 @@ def test_past_the_drafts_context_the_request_goes_on_without_drafts(smol64):
 @needs_llama
 def test_a_gguf_draft_defaults_to_the_requantized_file_on_a_cpu(smol_dir):
     """With no dtype= a GGUF draft for a CPU target runs in llama.cpp, requantized to Q4_0 (the
-    fastest measured: docs/2026-12-05-draft-requant.md); dtype=gguf keeps the file as it is."""
+    fastest measured: experiments/draft-model/2026-12-05-draft-requant.md); dtype=gguf keeps
+    the file as it is."""
     target = load_model(smol_dir)
     default = SpeculativeEngine.from_pretrained(target, speculator=f"draft:{default_gguf_path()}")
     assert default.speculator.description.endswith("(llama.cpp, requantized to Q4_0)")

@@ -3,11 +3,11 @@
 What the equality tests compare: speculative decoding verifies k tokens in one llama.cpp pass,
 plain decoding one token per pass, and llama.cpp may use other kernels for other batch sizes
 (for the Qwen2.5-Coder 1.5B Q4_K_M file an 8-token pass and eight one-token passes differ by up
-to 0.4 in a logit; docs/2026-12-04-llamacpp-target.md). So the tests first measure that
-disagreement for the model under test on this machine (:func:`pass_disagreement`). Where it is
-zero (the bundled Q4_1 model here: bitwise equal) greedy outputs must be identical; otherwise
-they may differ only where the plain run's top two tokens were closer than twice the measured
-disagreement, and any real verification error shows up as a difference at a clear margin.
+to 0.4 in a logit; experiments/llamacpp/2026-12-04-llamacpp-target.md). So the tests first
+measure that disagreement for the model under test on this machine (:func:`pass_disagreement`).
+Where it is zero (the bundled Q4_1 model here: bitwise equal) greedy outputs must be identical;
+otherwise they may differ only where the plain run's top two tokens were closer than twice the
+measured disagreement, and any real verification error shows up as a difference at a clear margin.
 """
 
 from __future__ import annotations

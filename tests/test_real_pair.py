@@ -6,7 +6,7 @@ over the 32,768 most frequent tokens plus the context's) and the int4 draft must
 leave greedy output identical to plain decoding: both are the fp32 target's own argmax, the
 speculative one from verification passes of several tokens, which can differ from single-token
 passes in the last bits; over 28 prompts x 128 tokens x 4 draft variants no token differed
-(docs/2026-12-03-draft-vocab.md), so equality is asserted outright here.
+(experiments/draft-model/2026-12-03-draft-vocab.md), so equality is asserted outright here.
 """
 
 from __future__ import annotations
