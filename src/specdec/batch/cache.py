@@ -58,8 +58,8 @@ class SlotLayer(DynamicLayer):
     The layer refers to its owner weakly: the owner holds its layers, and a strong reference
     back would make every cache a reference cycle, whose buffers (a whole batch's keys and
     values) only Python's rare full garbage collections free. A long batch job (data
-    generation: a fresh scheduler per batch) then kept one cache per batch and was OOM-killed
-    at 22 GB."""
+    generation: a fresh scheduler per batch) then kept one cache per batch until it ran out of
+    memory (docs/batching.md)."""
 
     def __init__(self, owner: SlotCache) -> None:
         super().__init__()

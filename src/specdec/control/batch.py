@@ -130,8 +130,8 @@ class BatchBudget:
     model), T(rows x widest) makes one length for all the better buy, so those are priced too.
 
     A step with drafts costs more than T(rows) of a plain step with as many rows (the packed
-    attention's second call, the commit's moves, the acceptance work: ~5-9% on the bundled
-    model in a full batch, where drafting's margin is that thin), so ``costs`` learns from
+    attention's second call, the commit's moves, the acceptance work: a few percent in a full
+    batch, where drafting's margin is no wider; docs/batching.md), so ``costs`` learns from
     plain steps only and drafted steps teach ``overhead``, the moving ratio of their measured
     time to ``costs``' price for their rows (see :meth:`observe`).
 

@@ -313,7 +313,8 @@ class AdaptiveBudget:
     this, a position beyond the lengths drafted so far kept ``prior_alpha`` for the whole
     request, and a budget that started short never learnt that longer drafts paid: on the
     Qwen2.5-Coder 1.5B/0.5B pair it drafted 2 tokens per step for a whole answer whose first
-    two positions were accepted 97-100% of the time, 15% slower than a fixed K = 3.
+    two positions were nearly always accepted, slower than a fixed K = 3
+    (experiments/draft-model/2026-12-01-draft-trees.md).
     """
 
     num_draft_tokens: int

@@ -1,8 +1,8 @@
 """The grammar engine adapter: llguidance (https://github.com/guidance-ai/llguidance).
 
 Chosen over xgrammar and outlines-core by measurement on the bundled model's 49,152-token
-vocabulary (docs/structured-output.md): JSON-schema compile time of well under a millisecond
-(its lexer is built lazily), a per-token mask in about 10 µs at the median, no dependencies
+vocabulary (docs/structured-output.md): the shortest JSON-schema compile time (its lexer is
+built lazily), a per-token mask as fast as xgrammar's at the median, no dependencies
 (xgrammar pulls in triton and a TVM runtime), one package for JSON schemas, regular
 expressions, Lark and GBNF grammars, and cheap ``rollback``/``deep_copy`` for walking trees.
 

@@ -3,12 +3,13 @@
 The draft runs the target's layers 0..L-1, then ``h + U D norm(h)`` (a residual low-rank map, or
 a full H x H map when ``rank == 0``), then the target's own final norm and LM head. Only the
 adapter is trained (KL to the target's distribution); everything else is the target's modules,
-shared, so the memory overhead is the adapter alone (a few hundred kB to 1.3 MB here).
+shared, so the memory overhead is the adapter alone (a norm and 2 x H x rank weights, or H x H
+at full rank; docs/self_speculation.md gives the bundled model's).
 
 The draft may score only the first ``draft_vocab`` token ids: a zero-copy view of the target's
-LM head rows (BPE vocabularies put frequent tokens first; on the bundled model ids < 16384 cover
-93% of response tokens). The rest get -inf, so they are never drafted and q is 0 there, which
-rejection sampling handles losslessly.
+LM head rows (BPE vocabularies put frequent tokens first, so the low ids cover most response
+tokens; docs/self_speculation.md). The rest get -inf, so they are never drafted and q is 0
+there, which rejection sampling handles losslessly.
 
 Format: ``config.json`` (``specdec_model_type: "self-exit"``, the target's identity) +
 ``adapter.safetensors``.

@@ -15,15 +15,14 @@ the next Jacobi level. Columns of ``N - 1`` levels plus that output are n-grams 
 Any accepted path is lossless whatever the window holds: the drafts are deterministic
 (q = one-hot), so greedy output equals plain decoding and sampled output follows the target.
 
-Knob defaults (W = 1, N = 3, G = 4) were chosen by measurement on a 2-core CPU with the bundled
-135M model (``specdec bench --dataset .../train/vicuna_bench/question.jsonl --methods
-none,lookahead:1x3x4,lookahead:4x3x4,...`` in that day's CLI; training prompts). There an
-n-node tree costs T(n)/T(1) = 1.28 / 1.40 / 1.61 decode steps for n = 4 / 8 / 16, so every
-window column costs about as much as it returns:
-on six chat prompts, W,N,G = 4,3,4 reached tau 1.40 with 11.5-node trees, 1,3,4 tau 1.29 with
-~6-node trees, both close to plain decoding's speed. The paper's GPU settings (W = 15, N = 5,
-G = 15, ~120 nodes) assume extra tree nodes are nearly free, as on an accelerator; pass them
-there as ``lookahead:window=15,ngram=5,guesses=15,pool_per_key=15``.
+Knob defaults (W = 1, N = 3, G = 4) were chosen by measurement on a CPU with the bundled 135M
+model (a ``specdec bench`` sweep of ``lookahead:WxNxG`` settings on training prompts;
+experiments/training-free/2026-11-29-training-free.md). There every extra tree node costs a
+share of a decode step (experiments/verification-cost/tree_cost.md), so every window column
+costs about as much as it returns: a wider window raised tau, but its larger trees cost what
+the extra tokens saved. The paper's GPU settings (W = 15, N = 5, G = 15, ~120 nodes) assume extra
+tree nodes are nearly free, as on an accelerator; pass them there as
+``lookahead:window=15,ngram=5,guesses=15,pool_per_key=15``.
 """
 
 from __future__ import annotations

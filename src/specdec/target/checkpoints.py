@@ -2,8 +2,9 @@
 model, read into transformers objects (no numerics applied yet).
 
 specdec never downloads: a missing model is an error that says how to provide one. GGUF files are
-dequantised once (about 30 s for the bundled model) and cached as safetensors, so later starts
-take about a second. The backends (:mod:`specdec.target.backends`) load through here.
+dequantised once and cached as safetensors, so later starts skip the conversion (README.md
+gives both times for the bundled model). The backends (:mod:`specdec.target.backends`) load
+through here.
 """
 
 from __future__ import annotations

@@ -311,8 +311,9 @@ class StepStats:
 class Readout:
     """The vocabulary the loss scores: the drafter's own (EAGLE-3's draft vocabulary), or for
     EAGLE-1, whose readout is the target's full LM head, the ``rows`` of the most frequent
-    tokens: scoring all 49k rows for every position made a training step 6x slower on this
-    CPU, and the softmax over the frequent tokens ranks the candidates that matter the same.
+    tokens: scoring all 49k rows for every position made a training step several times slower
+    on a CPU (docs/training.md), and the softmax over the frequent tokens ranks the candidates
+    that matter the same.
     ``to_draft`` maps a target id to its index in that vocabulary (-1 outside it)."""
 
     to_draft: torch.Tensor  # [V]

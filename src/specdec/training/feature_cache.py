@@ -1,19 +1,21 @@
 """Target features cached on disk, keyed by the data, the target and the trainer's settings.
 
-Extracting features costs one target pass per training sequence (about a second each for the
-bundled model on one core), so trainers keep them next to their checkpoint; a key mismatch
+Extracting features costs one target pass per training sequence (docs/training.md gives the
+time for the bundled model), so trainers keep them next to their checkpoint; a key mismatch
 (another target, other settings) or a broken file means the cache is rebuilt, never silently
 reused. ``features_per_record`` keys every answer separately, so retraining after ``specdec
 data generate`` has added answers (or on a subset of the categories) extracts only the answers
 the cache does not hold yet.
 
 Why on disk and memory-mapped: EAGLE-3 features of the bundled model take about 4.7 kB per
-token, 12.7 GB for the 9,454 committed ShareGPT answers, and a cache read whole into memory (and
-concatenated again for training) needed three times that resident. ``features_per_record``
-therefore keeps one append-only raw file per tensor name in a cache directory, with an index of
-each answer's rows, and hands back views of private memory maps of those files: nothing is read
-until a batch touches it, and :func:`release_pages` (called after each batch) drops the pages
-read, so resident memory stays bounded by a batch, whatever the size of the data.
+token (three auxiliary hidden states and the final one, 576 float16 values each, plus the top-8
+labels), gigabytes for the committed ShareGPT answers, and a cache read whole into memory (and
+concatenated again for training) needed several times that resident (docs/training.md).
+``features_per_record`` therefore keeps one append-only raw file per tensor name in a cache
+directory, with an index of each answer's rows, and hands back views of private memory maps of
+those files: nothing is read until a batch touches it, and :func:`release_pages` (called after
+each batch) drops the pages read, so resident memory stays bounded by a batch, whatever the
+size of the data.
 """
 
 from __future__ import annotations
