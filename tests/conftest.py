@@ -124,8 +124,11 @@ def build_tiny_model(
 @pytest.fixture(autouse=True)
 def _threads_for_size(request: pytest.FixtureRequest):
     """Tiny models and tables: one thread, since waking a second OpenMP thread costs more than
-    their maths (and far more on a loaded machine). Tests of the real model keep all threads."""
-    if request.node.get_closest_marker("slow"):
+    their maths (and far more on a loaded machine). Tests of the real model (``slow``) keep all
+    threads; ``slow(threads=1)`` marks a test in the slow tier for its length alone, which keeps
+    the one thread it had in the fast tier."""
+    slow = request.node.get_closest_marker("slow")
+    if slow is not None and slow.kwargs.get("threads") != 1:
         yield
         return
     before = torch.get_num_threads()

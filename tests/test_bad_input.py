@@ -103,6 +103,7 @@ def test_missing_and_corrupt_models(tiny_model_dir, tmp_path):
         load_model(gguf=tmp_path / "absent.gguf", cache_dir=tmp_path / "cache")
 
 
+@pytest.mark.slow(threads=1)
 def test_truncated_real_gguf_is_a_clear_error(tmp_path):
     from specdec.target.loading import default_gguf_path
 
@@ -143,6 +144,7 @@ def test_cli_errors_are_one_line(tiny_model_dir, args, words):
     assert len(lines) == 1 and lines[0].startswith("error:") and words in lines[0], result.stderr
 
 
+@pytest.mark.slow(threads=1)
 def test_cli_error_in_a_real_process_has_no_traceback(
     tmp_path, other_vocab_model_dir, tiny_model_dir
 ):

@@ -249,6 +249,7 @@ def trained(request, tiny, data_dir: Path, tmp_path_factory: pytest.TempPathFact
     return variant, out, result
 
 
+@pytest.mark.slow(threads=1)
 def test_training_raises_simulated_tau(tiny, data_dir, trained):
     variant, _, result = trained
     data = load_data(data_dir, tiny)
@@ -545,6 +546,7 @@ class CountingEagle(EagleSpeculator):
         return tree
 
 
+@pytest.mark.slow(threads=1)
 def test_eagle_trees_sample_exactly_the_target_distribution():
     """A real EAGLE head drafting dynamic trees (branching, several depths) over the Markov
     target: through multi-draft rejection sampling the output follows p exactly."""
@@ -630,6 +632,7 @@ def test_auto_defers_watching_to_one_batch_before_drafting(tiny):
             assert (again.tokens, again.parents) == (drafted.tokens, drafted.parents)
 
 
+@pytest.mark.slow(threads=1)
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
 def test_both_precisions_train(tiny, data_dir, tmp_path, precision):
     """bf16-mixed is the default where bf16 matmuls are native (this project's CPUs); fp32

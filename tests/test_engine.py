@@ -180,6 +180,7 @@ def test_seeded_sampling_is_reproducible(tiny32):
     assert a.token_ids != c.token_ids
 
 
+@pytest.mark.slow(threads=1)
 def test_real_model_sampling_distribution_of_two_tokens(tiny_model_dir):
     """A real (tiny) HF target and its 1-layer early-exit draft, float64, top-k 3, T = 1:
     the joint of the first two sampled tokens matches the exact p(x1) p(x2 | x1)."""

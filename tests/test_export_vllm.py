@@ -231,6 +231,7 @@ def test_speculators_without_a_counterpart_are_refused_in_one_line(tiny_model_di
     assert "Exportable: draft, eagle, medusa, prompt-lookup, suffix" in line
 
 
+@pytest.mark.slow(threads=1)
 def test_a_refusal_in_a_real_process_has_no_traceback(tiny_model_dir):
     proc = subprocess.run(
         [sys.executable, "-m", "specdec.cli.main", "export", "vllm", "lookahead"],
@@ -431,6 +432,7 @@ def test_human_output_is_the_command_then_notes(tiny_model_dir):
     assert "not carried over: min_match_length=3" in result.stderr
 
 
+@pytest.mark.slow(threads=1)
 def test_the_shipped_eagle_head_exports_without_a_path(tiny_model_dir, tmp_path):
     """`specdec export vllm eagle`: the head shipped for the bundled model, written where --out
     says (never beside the installed package); another target is told to train its own."""

@@ -252,12 +252,14 @@ def sampled_pvalue(constraint_class: type[GrammarConstraint]) -> tuple[float, in
     return chi_square_pvalue(counts, exact_outputs(target, A)), accepted
 
 
+@pytest.mark.slow(threads=1)
 def test_sampled_constrained_output_follows_the_masked_distribution():
     pvalue, accepted = sampled_pvalue(GrammarConstraint)
     assert pvalue > ALPHA, f"constrained sampling departs from masked p (p = {pvalue:.2e})"
     assert accepted > SAMPLES // 2  # drafts were accepted, not only rejected or pruned
 
 
+@pytest.mark.slow(threads=1)
 @pytest.mark.parametrize("wrong", [UnrestrictedQ, RootMaskOnly])
 def test_the_test_has_power_against_wrong_constraints(wrong):
     pvalue, _ = sampled_pvalue(wrong)

@@ -92,6 +92,7 @@ def test_the_real_user_cache_is_refused(specdec_cache, monkeypatch):
         loading.cache_root()
 
 
+@pytest.mark.slow(threads=1)
 def test_subprocesses_inherit_the_isolated_cache(isolated_cache: Path):
     code = "from specdec.target.loading import cache_root; print(cache_root())"
     assert os.environ["XDG_CACHE_HOME"] == str(isolated_cache.parent)

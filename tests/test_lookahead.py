@@ -127,6 +127,7 @@ class RecordingLookahead(LookaheadSpeculator):
         return tree
 
 
+@pytest.mark.slow(threads=1)
 def test_lookahead_sampling_is_lossless():
     """Window and pool drafts are deterministic (q one-hot) trees that branch; through the
     multi-draft rejection rule the output must follow the target exactly."""

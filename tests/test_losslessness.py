@@ -166,6 +166,7 @@ def test_deterministic_drafts_are_lossless_under_sampling():
     assert pvalue > ALPHA, f"one-hot drafts depart from p (chi-square p = {pvalue:.2e})"
 
 
+@pytest.mark.slow(threads=1)
 def test_tree_with_sibling_drafts_is_lossless():
     """Two independent draft chains from the same root, verified as one tree."""
     _, draft = tables()
@@ -236,6 +237,7 @@ class IgnoreRejectedSiblingsRule(RejectionSamplingRule):
             path.append(node)
 
 
+@pytest.mark.slow(threads=1)
 def test_branching_tree_at_several_depths_is_lossless_and_the_test_has_power():
     """Deterministic trees (q one-hot, distinct siblings) branching at depths 1 and 2, verified
     by multi-draft rejection sampling, reproduce p; a rule that forgets rejected siblings is

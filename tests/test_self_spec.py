@@ -165,6 +165,7 @@ SAMPLES, ALPHA = 1000, 1e-3
 SAMPLING = dict(temperature=1.0, top_k=4)
 
 
+@pytest.mark.slow(threads=1)
 def test_sampling_is_lossless(tiny):
     """The joint of the first two sampled tokens matches the exact target joint (chi-square,
     cells with expected count < 5 pooled). The draft (layers 0, 1 and 3 of 4) differs from p."""

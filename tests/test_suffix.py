@@ -313,6 +313,7 @@ def test_the_cache_learns_across_requests(tiny64):
     assert second.stats.mean_accepted > 3.0  # the earlier answer is drafted from step one
 
 
+@pytest.mark.slow(threads=1)
 def test_branching_suffix_trees_are_lossless_under_sampling():
     """The Markov setup of test_losslessness with a suffix speculator pre-filled with text from
     the (different) draft chain, so its trees branch where that text did; it keeps learning

@@ -75,6 +75,7 @@ def check_outputs(out: Path, methods: list[str], prompts: int) -> list[dict]:
     return rows
 
 
+@pytest.mark.slow(threads=1)
 def test_tiny_all_kinds_of_method_and_a_malformed_line(tiny_model_dir, tiny_dataset, tmp_path):
     out = tmp_path / "out"
     methods = [
@@ -180,6 +181,7 @@ NO_MATPLOTLIB = (
 )
 
 
+@pytest.mark.slow(threads=1)
 def test_quick_without_matplotlib_says_so_first_and_writes_the_report(tiny_model_dir, tmp_path):
     """The plotting extra missing is announced before the run, and the run still ends with a
     report (no plots) and exit 0, never a traceback after the work is done."""

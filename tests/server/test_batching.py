@@ -20,6 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from .conftest import TINY_NAME, Server, run_server
 
+pytestmark = pytest.mark.slow(threads=1)  # servers in subprocesses
+
 PROMPTS = [
     "ROMEO: But soft, what light through yonder window breaks?",
     "First Citizen: Before we proceed any further, hear me speak.",

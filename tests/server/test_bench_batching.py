@@ -7,8 +7,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
+import pytest
 
 from .conftest import Server
+
+pytestmark = pytest.mark.slow(threads=1)  # servers in subprocesses
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
 import batching  # noqa: E402

@@ -12,6 +12,8 @@ import pytest
 
 from .conftest import TINY_NAME, Server
 
+pytestmark = pytest.mark.slow(threads=1)  # servers in subprocesses
+
 SHORT = {"model": TINY_NAME, "prompt": "hello there", "max_tokens": 4, "temperature": 0}
 LONG = {**SHORT, "max_tokens": 500, "ignore_eos": True}  # takes well over 0.3 s
 

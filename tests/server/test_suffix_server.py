@@ -5,7 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from .conftest import TINY_NAME, run_server
+
+pytestmark = pytest.mark.slow(threads=1)  # servers in subprocesses
 
 PROMPT = "KING RICHARD III: Now is the winter of our discontent"
 
