@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -69,9 +70,15 @@ def default_gguf_path() -> Path:
     )
 
 
+# the layout of a converted directory; a new one is written beside copies in an older layout
+CONVERTED_FORMAT = 2
+
+
 def converted_dir(gguf: Path, root: Path | None = None) -> Path:
-    """Where the dequantised copy of ``gguf`` lives, keyed by the file's content hash."""
-    return (root or files.cache_root()) / "gguf" / f"{gguf.stem}-{files.file_sha256(gguf)[:16]}"
+    """Where the dequantised copy of ``gguf`` lives, keyed by the file's content hash and the
+    layout it is written in."""
+    digest = files.file_sha256(gguf)[:16]
+    return (root or files.cache_root()) / "gguf" / f"{gguf.stem}-{digest}-f{CONVERTED_FORMAT}"
 
 
 def is_converted(gguf: Path, root: Path | None = None) -> bool:
@@ -124,23 +131,42 @@ def convert_gguf(gguf: Path, root: Path | None = None) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
     try:
+        save_file(every_tensor(model), str(tmp / "model.safetensors"), {"format": "pt"})
         config = model.config.to_dict()
         config.pop("quantization_config", None)
         config.pop("_name_or_path", None)
+        config["architectures"] = [type(model).__name__]  # how serving engines pick the class
         type(model.config).from_dict(config).save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
-        from safetensors.torch import save_model
-
-        save_model(model, str(tmp / "model.safetensors"))
         tokenizer.save_pretrained(tmp)
-        (tmp / "specdec_source.json").write_text(
-            json.dumps({"gguf": str(gguf), "sha256": files.file_sha256(gguf)}, indent=2)
-        )
+        source = {"gguf": str(gguf), "sha256": files.file_sha256(gguf), "format": CONVERTED_FORMAT}
+        (tmp / "specdec_source.json").write_text(json.dumps(source, indent=2))
         tmp.rename(out)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
         if not (out / "config.json").is_file():
             raise
+    return out
+
+
+def every_tensor(model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """The model's weights, each under its own name, as any reader of safetensors files loads
+    them: safetensors' ``save_model`` writes a tied tensor once and records its other names as
+    aliases in the metadata, which vLLM does not read (it found no embeddings). A tied LM head
+    is left out, as transformers does, since ``tie_word_embeddings`` restores it; any other
+    shared tensor is written again under each name."""
+    tied_head = None
+    if getattr(model.config, "tie_word_embeddings", False):
+        head = model.get_output_embeddings()
+        tied_head = None if head is None else head.weight.data_ptr()
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in model.state_dict().items():
+        ptr = tensor.data_ptr()
+        if ptr in seen and ptr == tied_head:
+            continue
+        out[name] = tensor.detach().clone() if ptr in seen else tensor.detach().contiguous()
+        seen.add(ptr)
     return out
 
 
