@@ -209,11 +209,11 @@ def load_target(
         import torch
 
         torch.set_num_threads(threads)
-    _announce_conversion(model, gguf)
+    announce_conversion(model, gguf)
     return load_model(model, gguf=gguf, dtype=dtype, device=device)
 
 
-def _announce_conversion(model: Path | None, gguf: Path | None) -> None:
+def announce_conversion(model: Path | None, gguf: Path | None) -> None:
     from transformers.utils import logging as hf_logging
 
     from specdec.target import loading
@@ -259,7 +259,7 @@ def load_engine(
         import torch
 
         torch.set_num_threads(max(1, threads))
-    _announce_conversion(model, gguf)
+    announce_conversion(model, gguf)
     return SpeculativeEngine.from_pretrained(
         model,
         gguf=gguf,

@@ -13,6 +13,7 @@ from specdec.cli.common import (
     DtypeOpt,
     GgufOpt,
     ModelOpt,
+    announce_conversion,
     err_console,
     load_target,
     user_errors,
@@ -38,8 +39,9 @@ def vllm(
         str | None,
         typer.Option(
             "--target",
-            help="Target name vLLM loads (Hub id or directory). Default: the --model path, or "
-            "the Hub id of the bundled model.",
+            help="Target name vLLM loads (Hub id or directory). Default: the --model directory; "
+            "for a GGUF file, a model pack or the bundled model, the safetensors directory "
+            "specdec converts it into (the weights it verifies).",
         ),
     ] = None,
     out: Annotated[
@@ -69,6 +71,7 @@ def vllm(
     with user_errors():
         note = None
         if target is None:
+            announce_conversion(model, gguf)  # a GGUF target is served from its converted copy
             target, note = default_target_name(model, gguf)
         local = LocalTarget(model, gguf, dtype, loader=lambda: load_target(model, gguf, dtype))
         result = export_vllm(spec, target=target, local=local, out=out)

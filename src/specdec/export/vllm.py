@@ -32,10 +32,10 @@ What maps to what, and why:
 * ``medusa`` -> ``method: "medusa"`` with a converted checkpoint in vLLM's layout:
   ``config.json`` (``model_type: "medusa"``, ``num_heads``, ``num_hidden_layers``,
   ``truncated_vocab_size``, ``medusa_fc_bias: true`` since our residual blocks have a bias) and
-  ``model.safetensors`` with ``blocks.{head}.layers.{layer}.{weight,bias}``,
-  ``lm_heads.{head}.weight`` and, for a reduced draft vocabulary, ``token_map`` (draft id ->
-  target id, the same convention as ours; vLLM scatters the head's logits into the full
-  vocabulary with it). vLLM sets ``num_heads`` to ``num_speculative_tokens``
+  ``model.safetensors`` with ``blocks.{head}.layers.{layer}.{weight,bias}`` and
+  ``lm_heads.{head}.weight`` over the full vocabulary: vLLM's loader refuses a head over fewer
+  tokens, so a reduced draft vocabulary is written out in full (:func:`full_vocabulary_rows`),
+  which keeps each head's top-1 token. vLLM sets ``num_heads`` to ``num_speculative_tokens``
   (``MedusaConfig.num_lookahead_tokens``), so we write exactly that many heads. It drafts a
   chain, each head's top token: our tree topology has no counterpart.
 * ``eagle`` -> ``method: "eagle3"`` (EAGLE-3) or ``"eagle"`` (EAGLE-1), with the drafter
@@ -64,14 +64,17 @@ from safetensors.torch import save_file
 
 from specdec.errors import CheckpointError, ConfigError, ModelNotFoundError, UnsupportedModelError
 from specdec.speculators.spec import SpeculatorOptions, parse_spec, speculator_name
+from specdec.target.base import backend_for
+from specdec.target.checkpoints import resolve_gguf
 from specdec.target.loading import (
     DEFAULT_GGUF_NAME,
     DEFAULT_MODEL_HUB_ID,
     LoadedModel,
     convert_gguf,
-    default_gguf_path,
     load_model,
 )
+from specdec.target.numerics import NUMERICS
+from specdec.target.packs import PACKS, is_pack
 
 VLLM_SOURCE = (
     "vllm-project/vllm vllm/config/speculative.py @ 002e77c1f0ef9b19cff8b9e21cfbd6feb3d6b443"
@@ -111,17 +114,21 @@ class VllmExport:
     written: tuple[Path, ...] = ()
     not_carried: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    # vLLM's own flags for the target: the --dtype matching the numerics specdec verified with
+    serve_args: tuple[str, ...] = ()
 
     @property
     def command(self) -> str:
         """The shell command, quoted so it pastes as it is."""
         config = json.dumps(self.speculative_config)
-        return f"vllm serve {shlex.quote(self.target)} --speculative-config {shlex.quote(config)}"
+        words = ["vllm", "serve", self.target, *self.serve_args, "--speculative-config", config]
+        return shlex.join(words)
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "command": self.command,
             "target": self.target,
+            "serve_args": list(self.serve_args),
             "speculative_config": self.speculative_config,
             "written": [str(p) for p in self.written],
             "not_carried": list(self.not_carried),
@@ -149,30 +156,70 @@ class LocalTarget:
         return self._loaded
 
     def hf_dir(self) -> Path:
-        """A Hugging Face directory of the target (the GGUF's dequantised copy for a GGUF)."""
-        if self.model is not None:
-            return self.model
-        return convert_gguf(self.gguf if self.gguf is not None else default_gguf_path())
+        """A Hugging Face directory of the target: the model directory itself, or for a GGUF
+        file, a model pack or the bundled model the directory specdec converts it into."""
+        gguf, model = resolve_gguf(self.model, self.gguf)
+        return convert_gguf(gguf) if gguf is not None else Path(model or "")
 
 
-def default_target_name(model: Path | None, gguf: Path | None) -> tuple[str, str | None]:
-    """The name vLLM loads the target by (a Hub id or a directory), with a note on where it
-    came from: a local directory's path, or for the bundled GGUF the Hub model it quantises
-    (vLLM serves that, unquantised). Any other GGUF needs ``--target``."""
-    if model is not None:
-        path = str(model.resolve())
+def default_target_name(
+    model: Path | str | None, gguf: Path | None, hf_dir: Path | None = None
+) -> tuple[str, str]:
+    """The name vLLM loads the target by, with a note on what it is.
+
+    A model directory is passed as it is. A GGUF file, a model pack or the bundled model is
+    passed as the safetensors directory specdec converts it into (``hf_dir``, converted here
+    when not given): every tensor under its own name, ``architectures``, the tokenizer and its
+    chat template, so vLLM serves the very weights specdec's ``float32`` target verifies with.
+    vLLM does not run the GGUF's own quantised blocks on a CPU; the Hub model a file was made
+    from is named as the alternative, with its other weights."""
+    if model is not None and not is_pack(model):
+        path = str(Path(model).resolve())
         return path, (
             f"target {path} is a path on this machine; on a server elsewhere pass --target with "
             "its Hub id or its path there"
         )
-    if gguf is None or gguf.name == DEFAULT_GGUF_NAME:
-        return DEFAULT_MODEL_HUB_ID, (
-            f"target {DEFAULT_MODEL_HUB_ID} is the Hugging Face Hub model the bundled GGUF "
-            f"({DEFAULT_GGUF_NAME}) quantises; vLLM downloads and serves it unquantised"
+    local = LocalTarget(Path(model) if model is not None else None, gguf)
+    directory = hf_dir if hf_dir is not None else local.hf_dir()
+    if model is not None:
+        made_from: str | None = PACKS[str(model)].hub_id
+        what = f"model pack {model}"
+    else:
+        bundled = gguf is None or gguf.name == DEFAULT_GGUF_NAME
+        made_from = DEFAULT_MODEL_HUB_ID if bundled else None
+        what = "the bundled GGUF" if gguf is None else f"GGUF file {gguf}"
+    note = (
+        f"target {directory} is {what} dequantised by specdec (every tensor, architectures, "
+        "tokenizer, chat template): the weights specdec verifies in float32, at a path on this "
+        "machine (copy it to a server elsewhere)"
+    )
+    if made_from is not None:
+        note += (
+            f"; --target {made_from} serves the Hub model the file was made from instead, "
+            "whose unquantised weights give other outputs"
         )
-    raise ConfigError(
-        f"vLLM loads the target by Hugging Face Hub id or model directory, not from the GGUF "
-        f"file {gguf}; pass --target NAME (the model that file was made from)"
+    return str(directory), note
+
+
+def vllm_dtype(dtype: str) -> tuple[str, str | None]:
+    """The ``--dtype`` vLLM serves the target in for a target specdec verifies in ``dtype``,
+    with a note where vLLM cannot compute the same numbers. Without the flag vLLM serves
+    bfloat16, whose greedy output is no longer the float32 model's."""
+    backend_for(dtype)  # an unknown dtype fails here, naming the choices
+    numerics = NUMERICS.get(dtype)
+    if numerics is not None and numerics.reference:
+        return "float32", (
+            f"vLLM has no {dtype}: it serves float32, the nearest; greedy outputs can differ "
+            "where the two round a near-tie differently"
+        )
+    if numerics is not None and numerics.storage_dtype == torch.bfloat16:
+        return "bfloat16", None
+    if numerics is not None and numerics.exact:
+        return "float32", None
+    return "float32", (
+        f"specdec verifies --dtype {dtype} with weights vLLM's CPU build does not run; vLLM "
+        "serves the dequantised weights in float32, whose greedy output is specdec's "
+        "--dtype float32 output, not this one's"
     )
 
 
@@ -203,7 +250,8 @@ def export_vllm(
             f"speculator {name!r} has no vLLM counterpart: {reason}. Exportable: "
             f"{', '.join(sorted(_EXPORTERS))}"
         )
-    result = exporter(options, target, local or LocalTarget(), out)
+    local = local or LocalTarget()
+    result = exporter(options, target, local, out)
     notes = list(result.notes)
     if out is not None and not result.written:
         notes.append(f"--out {out} is unused: vLLM's {result.method} method needs no checkpoint")
@@ -213,12 +261,16 @@ def export_vllm(
         for f in dataclasses.fields(options)
         if f.name not in mapped or f.name in result.reasons
     ]
+    dtype, dtype_note = vllm_dtype(local.dtype)
+    if dtype_note is not None:
+        notes.append(dtype_note)
     return VllmExport(
         target=target,
         speculative_config=result.config,
         written=tuple(result.written),
         not_carried=tuple(not_carried),
         notes=tuple(notes),
+        serve_args=("--dtype", dtype),
     )
 
 
@@ -274,8 +326,9 @@ def _suffix(options: Any, target: str, local: LocalTarget, out: Path | None) -> 
         "suffix_decoding_min_token_prob": float(options.min_token_prob),
     }
     notes = [
-        "vLLM's suffix method runs Arctic Inference's implementation: install it on the server "
-        "(`pip install arctic-inference`)",
+        "vLLM's suffix method runs Arctic Inference: install the version vLLM asks for on the "
+        "server (`pip install arctic-inference==0.1.1`); it ships as source only, and on vLLM's "
+        "CPU build it must be built against the installed torch (docs/vllm.md gives the steps)",
         "suffix_decoding_max_tree_depth bounds match plus draft length in vLLM, the matched "
         "context alone in specdec",
     ]
@@ -308,11 +361,21 @@ def _draft(options: Any, target: str, local: LocalTarget, out: Path | None) -> _
             "standalone model: vLLM runs it with its own weights and KV cache"
         )
         return _Result(config, written=[dest], notes=[note], reasons=reasons)
+    gguf = Path(spec) if spec.lower().endswith(".gguf") else None
+    if is_pack(spec) and not Path(spec).exists() or gguf is not None:
+        # vLLM loads a draft from a directory: the GGUF's dequantised copy, as for the target
+        draft = LocalTarget(None if gguf else Path(spec), gguf).hf_dir()
+        config["model"] = str(draft.resolve())
+        note = (
+            f"draft {spec} is passed as the directory specdec dequantised it into, "
+            f"{config['model']}, a path on this machine"
+        )
+        return _Result(config, notes=[note], reasons=reasons)
     path = Path(spec)
     if not (path / CONFIG).is_file():
         raise ModelNotFoundError(
-            f"draft {spec!r} is not a Hugging Face model directory (no {CONFIG}); vLLM loads a "
-            "draft model from a directory or a Hub id"
+            f"draft {spec!r} is not a Hugging Face model directory (no {CONFIG}), a GGUF file or "
+            "a model pack; vLLM loads a draft model from a directory or a Hub id"
         )
     config["model"] = str(path.resolve())
     note = f"draft {config['model']} is a path on this machine; vLLM must find it at that path"
@@ -370,23 +433,46 @@ def _medusa(options: Any, target: str, local: LocalTarget, out: Path | None) -> 
         notes.append(f"k={options.k} is capped at the {have} heads: vLLM drafts one per head")
     if heads.config.draft_vocab_size is not None:
         notes.append(
-            f"the heads' {heads.config.draft_vocab_size}-token draft vocabulary is carried as "
-            "truncated_vocab_size and token_map"
+            f"the heads' {heads.config.draft_vocab_size}-token draft vocabulary is written out "
+            f"over the full {heads.config.vocab_size} tokens, the only form vLLM's Medusa loads: "
+            "each other token scores the mean of the drafted tokens' logits, never the top one, "
+            "so the drafts are the same"
         )
     config = {"method": "medusa", "model": str(dest.resolve()), "num_speculative_tokens": n}
     return _Result(config, written=[dest], notes=notes, reasons=reasons)
 
 
+def full_vocabulary_rows(proj: torch.Tensor, token_map: torch.Tensor, vocab: int) -> torch.Tensor:
+    """A reduced vocabulary's projection ``proj`` [N, H] (row i scores target token
+    ``token_map[i]``) as one over all ``vocab`` tokens, which vLLM's Medusa loader requires.
+    Every other token's row is the mean of the N rows, so its logit is the mean of theirs:
+    below the best drafted token's whenever they are not all equal, so the top-1 draft, which is
+    what vLLM's Medusa proposes, does not change.
+
+    >>> p = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    >>> full_vocabulary_rows(p, torch.tensor([2, 0]), 4)
+    tensor([[0.0000, 1.0000],
+            [0.5000, 0.5000],
+            [1.0000, 0.0000],
+            [0.5000, 0.5000]])
+    """
+    rows = proj.mean(0, keepdim=True).expand(vocab, -1).clone()
+    rows[token_map.long()] = proj
+    return rows
+
+
 def vllm_medusa_state(heads: Any, num_heads: int) -> dict[str, torch.Tensor]:
-    """Our heads' first ``num_heads`` heads under vLLM's ``Medusa`` parameter names."""
+    """Our heads' first ``num_heads`` heads under vLLM's ``Medusa`` parameter names, each
+    projecting onto the full vocabulary (:func:`full_vocabulary_rows` for reduced heads)."""
     state = {}
     for i, head in enumerate(list(heads.heads)[:num_heads]):
         for j, block in enumerate(head.blocks):
             state[f"blocks.{i}.layers.{j}.weight"] = block.linear.weight
             state[f"blocks.{i}.layers.{j}.bias"] = block.linear.bias
-        state[f"lm_heads.{i}.weight"] = head.proj.weight
-    if heads.token_map is not None:
-        state["token_map"] = heads.token_map.to(torch.int64)
+        proj = head.proj.weight.detach()
+        if heads.token_map is not None:
+            proj = full_vocabulary_rows(proj, heads.token_map, heads.config.vocab_size)
+        state[f"lm_heads.{i}.weight"] = proj
     return {k: v.detach().cpu().contiguous() for k, v in state.items()}
 
 
@@ -402,7 +488,7 @@ def vllm_medusa_config(heads: Any, num_heads: int, source: str = "") -> dict[str
         "vocab_size": cfg.vocab_size,
         "num_heads": num_heads,
         "num_hidden_layers": cfg.num_layers,
-        "truncated_vocab_size": cfg.out_size,
+        "truncated_vocab_size": cfg.vocab_size,  # reduced heads are written out in full
         "medusa_fc_bias": True,  # our residual blocks' linears carry a bias
         "original_lm_head": False,  # every head has its own projection
         "specdec": {"export": EXPORT_MARK, "source": source, "medusa": asdict(cfg)},
