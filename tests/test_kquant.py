@@ -274,3 +274,34 @@ def test_the_avx2_path_gives_the_avx512_bits():
             )
     with pytest.raises(RuntimeError, match="does not run on this CPU"):
         ext.kquant_mm_on(torch.randn(1, 768), *args, 3)
+
+
+BATCH_PROMPTS = (
+    "the the the the the the",
+    "ROMEO: But soft, what light through yonder",
+    "First Citizen:\nBefore we proceed any further, hear me speak.",
+    "KING RICHARD III: Now is the winter of our discontent",
+)
+
+
+@pytest.mark.parametrize("lean", [False, True], ids=["hf-modules", "lean-modules"])
+@pytest.mark.parametrize("spec", ["none", "prompt-lookup"])
+def test_a_batch_through_kquant_equals_each_sequence_alone(
+    tiny_tokenizer_dir, tmp_path, spec, lean
+):
+    """The batch scheduler drives the GGUF-native numerics: its packed passes route attention
+    through their own function (each row over its own cache), which the kquant attention must
+    call rather than its single-sequence kernel. Greedy output per sequence equals its solo
+    output under the same numerics, whoever it is batched with."""
+    target = kquant_model(tiny_tokenizer_dir, tmp_path, seed=6, lean=lean)
+    engine = SpeculativeEngine.from_pretrained(
+        target, speculator=spec, num_draft_tokens=4, adaptive=False
+    )
+    assert engine.batchable
+    kw = {"max_new_tokens": 20, "ignore_eos": True}
+    solo = [engine.generate(p, **kw).token_ids for p in BATCH_PROMPTS]
+    for max_batch in (2, 4):  # 2: sequences join and leave mid-run
+        batched = engine.generate_batch(list(BATCH_PROMPTS), max_batch=max_batch, **kw)
+        assert [r.token_ids for r in batched] == solo, max_batch
+        if spec != "none":
+            assert sum(r.stats.drafted_tokens for r in batched) > 0

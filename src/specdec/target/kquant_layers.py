@@ -38,9 +38,14 @@ from typing import Any, cast
 import torch
 from torch import nn
 from torch.nn import functional as F
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from specdec.target import kquant
-from specdec.target.attention import ROWWISE_MAX_ROWS, rowwise_sdpa_attention
+from specdec.target.attention import (
+    ROWWISE_ATTENTION,
+    ROWWISE_MAX_ROWS,
+    rowwise_sdpa_attention,
+)
 from specdec.target.kquant import KQuantLinear
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
@@ -196,10 +201,10 @@ class KQuantAttention(nn.Module):
         b, t, _ = hidden_states.shape
         cos, sin = position_embeddings
         x = hidden_states.reshape(b * t, -1).float()
-        if b == 1 and t <= ROWWISE_MAX_ROWS:
+        if self.owns_attention and b == 1 and t <= ROWWISE_MAX_ROWS:
             q, k, v = self.project(x, cos[0], sin[0])
             out = self.attend(q, k, v, attention_mask, cache)
-        else:  # a prefill or a batch: HF's layout and the row-wise attention
+        else:  # a prefill or a batch: HF's layout and the model's attention function
             parts = [
                 self.project(
                     x[bi * t : (bi + 1) * t],
@@ -211,8 +216,20 @@ class KQuantAttention(nn.Module):
             q, k, v = (torch.stack([p[i] for p in parts]).transpose(1, 2) for i in range(3))
             if cache is not None:
                 k, v = cache.update(k, v, self.layer_idx)  # type: ignore[attr-defined]
-            out, _ = rowwise_sdpa_attention(self, q, k, v, attention_mask, scaling=self.scaling)
+            attend = (
+                rowwise_sdpa_attention
+                if self.owns_attention
+                else ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
+            )
+            out, _ = attend(self, q, k, v, attention_mask, scaling=self.scaling, dropout=0.0)
         return self.o_proj.mm(out.reshape(b * t, -1)).view(b, t, -1), None
+
+    @property
+    def owns_attention(self) -> bool:
+        """Whether the model runs its own (row-wise) attention, which this module's kernel
+        computes; a batched pass switches the model to another function (the batch's packed
+        attention, over each row's own cache and mask), which is then called instead."""
+        return bool(self.config._attn_implementation == ROWWISE_ATTENTION)
 
 
 class KQuantMLP(nn.Module):
@@ -265,7 +282,8 @@ class LeanDecoderLayer:
         b, t, hidden = hidden_states.shape
         if cache is None:  # the name transformers is deprecating, still accepted by HF's layer
             cache = kwargs.pop("past_key_values", None)
-        if b != 1 or t > ROWWISE_MAX_ROWS or position_embeddings is None:
+        lean = b == 1 and t <= ROWWISE_MAX_ROWS and self.self_attn.owns_attention
+        if not lean or position_embeddings is None:
             return super().forward(  # type: ignore[misc]
                 hidden_states,
                 attention_mask=attention_mask,
