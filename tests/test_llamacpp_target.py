@@ -12,6 +12,8 @@ measured disagreement, and any real verification error shows up as a difference 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -207,3 +209,36 @@ def test_verification_rows_come_back_in_order_across_passes(smol_gguf, near_tie,
     assert rows.argmax(-1).tolist() == single.argmax(-1).tolist()
     # the rows differ from one another: a mix-up of rows could not pass the comparison above
     assert float((rows[0] - rows[1]).abs().max()) > 1.0
+
+
+def test_llamacpp_plain_is_the_reference_our_plain_gguf_decoding_reproduces(smol_gguf):
+    """plain_greedy (llama.cpp's own sampler, one token per decode) gives the tokens of our
+    plain decoding through the llama.cpp backend, one-token passes in both, so --compare's
+    ratio sets like against like."""
+    engine = SpeculativeEngine.from_pretrained(smol_gguf)
+    for prompt in PROMPTS:
+        ids = encode_prompt(smol_gguf.tokenizer, prompt, True)
+        ours = engine.generate(prompt, chat=True, max_new_tokens=24, speculate=False)
+        peer = llamacpp.plain_greedy(default_gguf_path(), ids, 24, smol_gguf.eos_token_ids)
+        assert peer.token_ids == ours.token_ids
+        assert peer.seconds > 0 and peer.tokens_per_s > 0
+
+
+def test_compare_times_llamacpp_on_the_targets_gguf_file(tiny_model_dir):
+    """`generate --compare` on a GGUF target reports llama.cpp's plain speed on that file and
+    our ratio to it; a model directory has no file to compare, and says so."""
+    from typer.testing import CliRunner
+
+    from specdec.cli.main import app
+
+    args = ["generate", "--speculator", "prompt-lookup", "--compare", "-n", "16", "--json"]
+    run = CliRunner().invoke(app, [*args, "--threads", "1", "Count from one to ten."])
+    assert run.exit_code == 0, run.output
+    doc = json.loads(run.stdout)
+    assert doc["llamacpp_plain"]["new_tokens"] >= 1 and doc["llamacpp_plain"]["tokens_per_s"] > 0
+    ours = doc["stats"]["tokens_per_s"]
+    assert doc["vs_llamacpp"] == pytest.approx(ours / doc["llamacpp_plain"]["tokens_per_s"], 1e-3)
+    run = CliRunner().invoke(app, [*args, "--model", str(tiny_model_dir), "hello"])
+    assert run.exit_code == 0, run.output
+    assert "llamacpp_plain" not in json.loads(run.stdout)
+    assert "no GGUF file" in run.stderr

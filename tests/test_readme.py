@@ -70,6 +70,12 @@ COMMANDS = bash_commands(README.read_text(encoding="utf-8"))
 RUN = [c for c in COMMANDS if set_aside_reason(c) is None]
 
 
+def llama_cpp_installed() -> bool:
+    from specdec.target import llamacpp
+
+    return llamacpp.available()
+
+
 def specdec_argv(command: str) -> list[str]:
     """The command's argv with ``specdec`` / ``.venv/bin/specdec`` as the installed script."""
     words = shlex.split(command, comments=True)
@@ -111,6 +117,8 @@ def test_readme_command_runs(command: str, smol_dir: Path, tmp_path: Path):
                 assert part in output, output
             assert re.search(r"speedup\s+\d+\.\d+x", output), output
             assert re.search(r"identical to plain greedy\s+yes", output), output
+            if "--model" not in command and llama_cpp_installed():  # the bundled GGUF
+                assert re.search(r"vs llama\.cpp plain\s+\d+\.\d+x", output), output
     elif sub == "bench":
         report = next(tmp_path.rglob("report.md"), None)  # in --out, or the default folder
         assert report is not None, f"no report.md under {tmp_path}\n{output}"

@@ -146,10 +146,12 @@ def generate(
         # Validate and encode before anything is timed, so errors come first and fast.
         engine.encode(prompt, use_chat)
         baseline = None
+        peer = None
         if compare:
             # Warm-up, so that first-call allocation costs hit neither measured run.
             engine.generate(prompt, **{**kwargs, "max_new_tokens": 2}, speculate=False)
             baseline = engine.generate(prompt, **kwargs, speculate=False)
+            peer = _llamacpp_plain(engine, engine.encode(prompt, use_chat), max_new_tokens)
         if as_json:
             result = engine.generate(prompt, **kwargs)
         else:
@@ -163,6 +165,14 @@ def generate(
             else None
         )
         out["identical"] = result.token_ids == baseline.token_ids if temperature == 0 else None
+    if peer is not None:
+        out["llamacpp_plain"] = {
+            "new_tokens": len(peer.token_ids),
+            "seconds": round(peer.seconds, 4),
+            "tokens_per_s": round(peer.tokens_per_s, 2),
+        }
+        ours = result.stats.tokens_per_s
+        out["vs_llamacpp"] = round(ours / peer.tokens_per_s, 4) if peer.tokens_per_s else None
     out["numerics"] = engine.loaded.numerics if engine.loaded else None
     if as_json:
         sys.stdout.write(json.dumps(out) + "\n")
@@ -176,7 +186,32 @@ def generate(
         table.add_row("speedup", f"{out['speedup']:.2f}x")
         if out["identical"] is not None:
             table.add_row("identical to plain greedy", "yes" if out["identical"] else "NO")
+        if peer is not None:
+            table.add_row("llama.cpp plain, same file", f"{peer.tokens_per_s:.2f} tok/s")
+            if out["vs_llamacpp"] is not None:
+                table.add_row("vs llama.cpp plain", f"{out['vs_llamacpp']:.2f}x")
         console.print(table)
+
+
+def _llamacpp_plain(engine: Any, prompt_ids: list[int], max_new_tokens: int) -> Any:
+    """llama.cpp's plain greedy decoding of the target's GGUF file, timed here on the same
+    threads (:func:`specdec.target.llamacpp.plain_greedy`): what the user would otherwise run.
+    ``None``, with a note, where the target has no GGUF file or llama.cpp is not installed."""
+    import torch
+
+    from specdec.target import llamacpp
+
+    source = Path(engine.loaded.source) if engine.loaded is not None else None
+    if source is None or source.suffix.lower() != ".gguf" or not source.is_file():
+        err_console.print("note: the target is no GGUF file: llama.cpp is not compared")
+        return None
+    if not llamacpp.available():
+        err_console.print(f"note: llama.cpp is not compared: {llamacpp.INSTALL_HINT}")
+        return None
+    threads = torch.get_num_threads()
+    stop = frozenset(engine.eos_token_ids)
+    llamacpp.plain_greedy(source, prompt_ids, 2, stop, threads)  # warm-up, as for ours
+    return llamacpp.plain_greedy(source, prompt_ids, max_new_tokens, stop, threads)
 
 
 def _stream_to_stdout(engine: Any, prompt: str, kwargs: dict[str, Any], show_text: bool) -> Any:

@@ -27,7 +27,9 @@ import hashlib
 import importlib.util
 import logging
 import threading
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
@@ -419,6 +421,55 @@ def shared_model(gguf: str | Path) -> LlamaModel:
         if path not in _MODELS:
             _MODELS[path] = LlamaModel(path)
         return _MODELS[path]
+
+
+@dataclass(frozen=True)
+class PlainRun:
+    """llama.cpp's own plain greedy decoding of a prompt (:func:`plain_greedy`)."""
+
+    token_ids: list[int]
+    seconds: float  # from the prompt's decode to the last token, as specdec's request time
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.token_ids) / self.seconds if self.seconds > 0 else 0.0
+
+
+def plain_greedy(
+    gguf: str | Path,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    stop: frozenset[int] = frozenset(),
+    threads: int | None = None,
+) -> PlainRun:
+    """Decode ``prompt`` as llama.cpp itself does without speculation: the prompt in one
+    decode, then one token per ``llama_decode``, each picked by llama.cpp's greedy sampler, in
+    a context allocated for the whole request before the clock starts.
+
+    Why here: a user's alternative to specdec is running the same file in llama.cpp, so
+    ``--compare`` and the benchmark time it beside ours in one process, on the same threads,
+    rather than quote a figure measured elsewhere."""
+    runner = LlamaCppRunner(shared_model(gguf), threads)
+    lib = runner._lib
+    # grows the cache to the whole request now (or refuses it), so no pass reallocates it
+    runner._room_for([*prompt, *([0] * max(0, max_new_tokens - 1))])
+    sampler = lib.llama_sampler_init_greedy()
+    tokens: list[int] = []
+    try:
+        start = time.perf_counter()
+        runner._decode_last([int(t) for t in prompt])
+        while True:
+            token = int(lib.llama_sampler_sample(sampler, runner.ctx, -1))
+            if token in stop:  # ends the output, as in specdec's, without being part of it
+                break
+            tokens.append(token)
+            if len(tokens) >= max_new_tokens:
+                break
+            runner._decode_last([token])
+        seconds = time.perf_counter() - start
+    finally:
+        lib.llama_sampler_free(sampler)
+    return PlainRun(tokens, seconds)
 
 
 class LlamaCppTarget:
