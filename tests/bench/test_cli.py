@@ -173,6 +173,32 @@ def test_quick_mode_on_the_bundled_model(smol_dir, tmp_path):
     assert {r["group"] for r in rows} == {"qa", "math_reasoning"}
 
 
+@pytest.mark.slow
+def test_llamacpp_is_timed_beside_our_methods_on_the_same_file(tmp_path):
+    """`llamacpp` decodes the bundled GGUF in llama.cpp itself, interleaved with our runs: the
+    report gains a column against it, and its own numerics are not held to identity."""
+    from specdec.target import llamacpp
+
+    if not llamacpp.available():
+        pytest.skip(llamacpp.INSTALL_HINT)
+    out = tmp_path / "peer"
+    args = ["--quick", "--methods", "none,llamacpp", "--categories", "qa", "--threads", "1"]
+    result = invoke([*args, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = read_rows(out)
+    assert [r["method"] for r in rows] == ["none", "llamacpp"]
+    peer = rows[1]
+    assert peer["identical"] is None and peer["tokens_per_s"] > 0 and peer["new_tokens"] > 0
+    report = (out / "report.md").read_text()
+    assert "speedup vs `llamacpp`" in report and "| `llamacpp` |" in report
+
+
+def test_llamacpp_needs_a_gguf_target(tiny_model_dir, tmp_path):
+    result = invoke(["--quick", "--model", str(tiny_model_dir), "--methods", "none,llamacpp"])
+    assert result.exit_code != 0
+    assert "has none" in result.output and "--gguf" in result.output
+
+
 # Python run as `specdec` with matplotlib unimportable, as after `pip install specdec` without
 # the bench extra: None in sys.modules makes `import matplotlib` raise ModuleNotFoundError.
 NO_MATPLOTLIB = (

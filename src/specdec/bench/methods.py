@@ -18,6 +18,7 @@ import copy
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -35,9 +36,10 @@ from specdec.speculators.spec import (
     parse_spec,
     split_specs,
 )
-from specdec.target import LoadedModel, early_exit_model, load_model
+from specdec.target import LoadedModel, early_exit_model, llamacpp, load_model
 
 REFERENCE = "none"  # plain decoding by our engine: the reference for speedups and identity
+LLAMACPP = "llamacpp"  # llama.cpp's plain decoding of the same file: the peer to beat
 
 
 # -- the Hugging Face baselines' options ------------------------------------------------------
@@ -94,7 +96,13 @@ class HFAssistedOptions(HFOptions):
         return {"assistant_model": draft}
 
 
-def _baseline(name: str, options: type[HFOptions]) -> Registration:
+@dataclass(frozen=True, kw_only=True)
+class LlamaCppOptions(SpeculatorOptions):
+    """llama.cpp's plain greedy decoding of the target's GGUF file (what a user would otherwise
+    run; its own numerics, so its output is timed, not required identical)"""
+
+
+def _baseline(name: str, options: type[SpeculatorOptions]) -> Registration:
     summary = (options.__doc__ or "").strip().split("\n")[0]
     return Registration(name, options, None, summary)
 
@@ -105,9 +113,11 @@ BASELINES: dict[str, Registration] = {
         _baseline("hf", HFGreedyOptions),
         _baseline("hf-prompt-lookup", HFPromptLookupOptions),
         _baseline("hf-assisted", HFAssistedOptions),
+        _baseline(LLAMACPP, LlamaCppOptions),
     )
 }
-"""``--methods`` names that are Hugging Face baselines, not speculators of our engine."""
+"""``--methods`` names that are baselines (Hugging Face ``generate``, llama.cpp), not
+speculators of our engine."""
 
 
 # -- parsing ----------------------------------------------------------------------------------
@@ -122,13 +132,14 @@ class MethodSpec:
 
     @property
     def baseline(self) -> bool:
-        """A Hugging Face ``generate`` baseline rather than our engine."""
-        return isinstance(self.options, HFOptions)
+        """A baseline (Hugging Face ``generate``, llama.cpp) rather than our engine."""
+        return isinstance(self.options, (HFOptions, LlamaCppOptions))
 
     @property
     def lossless(self) -> bool:
-        """Greedy output must equal plain greedy decoding (every method here is exact)."""
-        return True
+        """Greedy output must equal plain greedy decoding: every method on the target's own
+        numerics; llama.cpp computes with its own kernels, so only its speed is compared."""
+        return not isinstance(self.options, LlamaCppOptions)
 
 
 def parse_method(text: str) -> MethodSpec:
@@ -259,8 +270,41 @@ class HFRunner:
         return RunOutput(new, seconds, "length")
 
 
+class LlamaCppPlainRunner:
+    """llama.cpp decoding the target's GGUF file plainly (:func:`llamacpp.plain_greedy`), on
+    torch's thread count, as the engine's runs use."""
+
+    def __init__(self, spec: MethodSpec, loaded: LoadedModel, num_draft_tokens: int) -> None:
+        source = Path(loaded.source)
+        if source.suffix.lower() != ".gguf" or not source.is_file():
+            raise UnknownMethodError(
+                f"method {LLAMACPP!r} runs the target's GGUF file in llama.cpp, and this target "
+                f"({loaded.source}) has none: pass --gguf FILE, a model pack, or no --model"
+            )
+        if not llamacpp.available():
+            raise UnknownMethodError(f"method {LLAMACPP!r}: {llamacpp.INSTALL_HINT}")
+        self.spec = spec
+        self.gguf = source
+        self.stop = frozenset(loaded.eos_token_ids)
+
+    def run(self, prompt_ids: Sequence[int], max_new_tokens: int) -> RunOutput:
+        out = llamacpp.plain_greedy(
+            self.gguf, prompt_ids, max_new_tokens, self.stop, torch.get_num_threads()
+        )
+        finish = "length" if len(out.token_ids) >= max_new_tokens else "stop"
+        return RunOutput(out.token_ids, out.seconds, finish)
+
+
 def build_runners(
     loaded: LoadedModel, specs: Sequence[MethodSpec], num_draft_tokens: int
 ) -> list[MethodRunner]:
     """One runner per method, all over ``loaded`` (built before anything is timed)."""
-    return [(HFRunner if s.baseline else EngineRunner)(s, loaded, num_draft_tokens) for s in specs]
+    runners: list[MethodRunner] = []
+    for s in specs:
+        if isinstance(s.options, LlamaCppOptions):
+            runners.append(LlamaCppPlainRunner(s, loaded, num_draft_tokens))
+        elif s.baseline:
+            runners.append(HFRunner(s, loaded, num_draft_tokens))
+        else:
+            runners.append(EngineRunner(s, loaded, num_draft_tokens))
+    return runners

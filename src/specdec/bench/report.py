@@ -70,13 +70,23 @@ HEADER = (
 )
 
 
+PEER_HEADER = (
+    "| Method | tokens/s | speedup vs `none` | speedup vs `hf` | speedup vs `llamacpp` | τ "
+    "| drafting | identical |\n|---|---:|---:|---:|---:|---:|---:|---|"
+)
+
+
 def table(summaries: Sequence[MethodSummary]) -> str:
-    rows = [HEADER]
+    """The report's table; a column against llama.cpp where the run timed it."""
+    peer = any(m.speedup_vs_llamacpp for m in summaries)
+    rows = [PEER_HEADER if peer else HEADER]
     for m in summaries:
+        vs_peer = f"| {_spread(m.speedup_vs_llamacpp, suffix='×')} " if peer else ""
         rows.append(
             f"| `{m.method}` | {_spread(m.tokens_per_s)} "
             f"| {_spread(m.speedup_vs_none, suffix='×')} "
-            f"| {_spread(m.speedup_vs_hf, suffix='×')} | {_opt(m.mean_accepted, '{:.2f}')} "
+            f"| {_spread(m.speedup_vs_hf, suffix='×')} {vs_peer}"
+            f"| {_opt(m.mean_accepted, '{:.2f}')} "
             f"| {_opt(None if m.draft_fraction is None else 100 * m.draft_fraction, '{:.0f}%')} "
             f"| {identity_cell(m)} |"
         )

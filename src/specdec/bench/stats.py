@@ -301,6 +301,7 @@ class MethodSummary:
     speedup_vs_none: Spread | None
     speedup_vs_hf: Spread | None
     mean_accepted: float | None
+    speedup_vs_llamacpp: Spread | None = None
     acceptance_by_position: list[float] = field(default_factory=list)
     draft_fraction: float | None = None
     identity: Identity = field(default_factory=lambda: Identity(0, 0))
@@ -333,6 +334,7 @@ def summarize(
     *,
     reference: str = "none",
     hf_baseline: str = "hf",
+    llamacpp_baseline: str = "llamacpp",
     where: Callable[[Record], bool] | None = None,
 ) -> list[MethodSummary]:
     """One :class:`MethodSummary` per method, over the records ``where`` keeps."""
@@ -347,6 +349,9 @@ def summarize(
                 tokens_per_s=throughput(recs, m),
                 speedup_vs_none=speedup(recs, m, reference) if reference in names else None,
                 speedup_vs_hf=speedup(recs, m, hf_baseline) if hf_baseline in names else None,
+                speedup_vs_llamacpp=(
+                    speedup(recs, m, llamacpp_baseline) if llamacpp_baseline in names else None
+                ),
                 mean_accepted=mean_accepted(recs, m),
                 acceptance_by_position=acceptance_by_position(recs, m),
                 draft_fraction=draft_fraction(recs, m),

@@ -102,14 +102,18 @@ def _print_overall(console: Console, records: list[dict[str, Any]]) -> None:
 
     sums = summaries_by_group(records)[OVERALL]
     table = Table(title="overall")
-    for col in ("method", "tokens/s", "vs none", "vs hf", "τ", "drafting", "identical"):
+    peer = any(m.speedup_vs_llamacpp for m in sums)
+    columns = ("method", "tokens/s", "vs none", "vs hf", *(("vs llama.cpp",) if peer else ()))
+    for col in (*columns, "τ", "drafting", "identical"):
         table.add_column(col, justify="left" if col == "method" else "right")
     for m in sums:
+        vs_peer = m.speedup_vs_llamacpp
         table.add_row(
             escape(m.method),  # a spec's brackets are not rich markup
             f"{m.tokens_per_s.median:.2f}" if m.tokens_per_s else "–",
             f"{m.speedup_vs_none.median:.2f}×" if m.speedup_vs_none else "–",
             f"{m.speedup_vs_hf.median:.2f}×" if m.speedup_vs_hf else "–",
+            *((f"{vs_peer.median:.2f}×" if vs_peer else "–",) if peer else ()),
             f"{m.mean_accepted:.2f}" if m.mean_accepted is not None else "–",
             f"{100 * m.draft_fraction:.0f}%" if m.draft_fraction is not None else "–",
             identity_cell(m).replace("**", ""),
