@@ -23,7 +23,7 @@ PACKAGE = ROOT / "src" / "specdec"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors",),
-    ("config", "tree", "text", "request", "metrics", "cache", "prompts"),
+    ("config", "tree", "text", "request", "metrics", "cache", "prompts", "cores"),
     ("verify", "logprobs", "events"),
     ("target",),  # model backends: loading, numerics, verifiers
     ("control", "heads"),  # costs, budgets, the bandit; trained head modules

@@ -153,7 +153,7 @@ def bench(
     num_draft_tokens: KOpt = 5,
     threads: Annotated[
         int | None,
-        typer.Option(help="torch threads (default: torch's choice; 1 with --quick)."),
+        typer.Option(help="CPU threads (default: one per core that is not busy; 1 with --quick)."),
     ] = None,
     quick: Annotated[
         bool,
@@ -268,8 +268,6 @@ def _run(
     *,
     device: str = "cpu",
 ) -> None:
-    import torch
-
     from specdec.bench import harness, report, stats
     from specdec.bench.errors import DatasetError
     from specdec.bench.methods import build_runners, parse_methods
@@ -304,12 +302,10 @@ def _run(
     )
     if threads is None and quick:
         threads = 1  # no speed is asserted; one thread degrades gracefully on a busy CI box
-    if threads is not None:
-        if threads < 1:
-            raise InvalidRequestError(f"--threads must be >= 1, got {threads}", "threads")
-        torch.set_num_threads(threads)
+    if threads is not None and threads < 1:
+        raise InvalidRequestError(f"--threads must be >= 1, got {threads}", "threads")
 
-    loaded = load_target(model, gguf, dtype, device=device)
+    loaded = load_target(model, gguf, dtype, threads, device=device)
     runners = build_runners(loaded, specs, num_draft_tokens)
     prompt_ids = harness.encode_questions(loaded, questions, config.chat)
     env = harness.environment(loaded)

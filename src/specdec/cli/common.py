@@ -126,7 +126,12 @@ ResumeOpt = Annotated[
     bool, typer.Option("--resume", help="Continue from the last checkpoint in --out.")
 ]
 ThreadsOpt = Annotated[
-    int | None, typer.Option("--threads", help="torch CPU threads (default: torch's choice).")
+    int | None,
+    typer.Option(
+        "--threads",
+        help="CPU threads (default: one per core that is not busy; the process is pinned to "
+        "those cores; SPECDEC_PIN_THREADS=0 leaves cores and threads to torch).",
+    ),
 ]
 # shared by the trainers
 DataOpt = Annotated[
@@ -194,21 +199,32 @@ def user_errors() -> Iterator[None]:
         raise typer.Exit(130) from None
 
 
+def say_thread_plan(threads: int | None) -> None:
+    """Pin the process to the cores that are not busy and size torch's threads to them
+    (:mod:`specdec.cores`), and say what was chosen."""
+    from specdec.cores import apply_thread_plan
+
+    plan = apply_thread_plan(threads)
+    if plan is not None:
+        err_console.print(plan.describe(), highlight=False)
+
+
 def load_target(
     model: Path | None,
     gguf: Path | None,
     dtype: str,
     threads: int | None = None,
     device: str = "cpu",
+    *,
+    pin: bool = True,
 ) -> Any:
     """Load the target alone (training, data generation), announcing a one-time conversion;
-    ``threads`` sets torch's thread count first."""
+    the threads are planned first (:func:`say_thread_plan`) unless ``pin`` is false (nothing
+    is computed: an export reads the weights only)."""
     from specdec.target import load_model
 
-    if threads:
-        import torch
-
-        torch.set_num_threads(threads)
+    if pin:
+        say_thread_plan(threads)
     announce_conversion(model, gguf)
     return load_model(model, gguf=gguf, dtype=dtype, device=device)
 
@@ -255,10 +271,7 @@ def load_engine(
     from specdec.speculators.spec import parse_spec
 
     options = parse_spec(speculator)
-    if threads is not None:
-        import torch
-
-        torch.set_num_threads(max(1, threads))
+    say_thread_plan(threads)
     announce_conversion(model, gguf)
     return SpeculativeEngine.from_pretrained(
         model,

@@ -73,7 +73,9 @@ def vllm(
         if target is None:
             announce_conversion(model, gguf)  # a GGUF target is served from its converted copy
             target, note = default_target_name(model, gguf)
-        local = LocalTarget(model, gguf, dtype, loader=lambda: load_target(model, gguf, dtype))
+        local = LocalTarget(
+            model, gguf, dtype, loader=lambda: load_target(model, gguf, dtype, pin=False)
+        )
         result = export_vllm(spec, target=target, local=local, out=out)
     if as_json:
         document = result.as_dict()
