@@ -20,7 +20,6 @@ from specdec.errors import (
     ModelNotFoundError,
     PromptTooLongError,
     UnknownSpeculatorError,
-    VocabularyMismatchError,
 )
 from specdec.target import load_model
 
@@ -71,8 +70,13 @@ def test_bad_configs(tiny_model_dir, other_vocab_model_dir, tmp_path):
         SpeculativeEngine.from_pretrained(loaded, speculator="draft")
     with pytest.raises(ConfigError, match="layers:N"):
         SpeculativeEngine.from_pretrained(loaded, speculator="draft:layers:99")
-    with pytest.raises(VocabularyMismatchError, match="vocabulary"):
-        SpeculativeEngine.from_pretrained(loaded, speculator=f"draft:{other_vocab_model_dir}")
+    # a draft with another tokenizer drafts through text (tests/test_cross_vocab.py), chains only
+    other = SpeculativeEngine.from_pretrained(loaded, speculator=f"draft:{other_vocab_model_dir}")
+    assert type(other.speculator).__name__ == "CrossVocabSpeculator"
+    with pytest.raises(ConfigError, match="chains only"):
+        SpeculativeEngine.from_pretrained(
+            loaded, speculator=f"draft:{other_vocab_model_dir},tree=2x2"
+        )
     with pytest.raises(ModelNotFoundError, match="does not exist"):
         SpeculativeEngine.from_pretrained(loaded, speculator=f"draft:{tmp_path / 'nope'}")
     with pytest.raises(ConfigError, match="dtype"):
@@ -157,9 +161,9 @@ def test_cli_error_in_a_real_process_has_no_traceback(
                 "--model",
                 str(tiny_model_dir),
                 "--speculator",
-                f"draft:model={other_vocab_model_dir}",
+                f"draft:model={other_vocab_model_dir},tree=2x2",
             ],
-            "vocabulary",
+            "chains only",
         ),
     ]
     for args, words in cases:

@@ -638,8 +638,8 @@ def test_auto_bad_configurations(tiny64, other_vocab_model_dir):
         build("auto:arms=suffix+suffix")
     with pytest.raises(ConfigError, match="needs dir="):
         build("auto:arms=medusa")
-    with pytest.raises(Exception, match="vocabulary"):
-        build(f"auto:arms=[suffix,draft:model={other_vocab_model_dir}]")
+    with pytest.raises(ConfigError, match="chains only"):  # another tokenizer: through text
+        build(f"auto:arms=[suffix,draft:model={other_vocab_model_dir},tree=2x2]")
     with pytest.raises(CheckpointError):
         build(f"auto:arms=[medusa:dir={other_vocab_model_dir}]")
 

@@ -17,6 +17,7 @@ from specdec.speculators import (
     suffix,
 )
 from specdec.speculators.base import DraftContext, Feedback, Speculator, build_speculator
+from specdec.speculators.cross_vocab import CrossVocabSpeculator
 from specdec.speculators.draft_model import DraftModelSpeculator, DraftOptions
 from specdec.speculators.eagle import EagleOptions
 from specdec.speculators.lookahead import LookaheadConfig
@@ -40,6 +41,7 @@ from specdec.speculators.suffix import SuffixCache, SuffixOptions, SuffixSpecula
 
 __all__ = [
     "auto",
+    "CrossVocabSpeculator",
     "DraftContext",
     "DraftModelSpeculator",
     "DraftOptions",

@@ -7,6 +7,8 @@ first token whose draft probability is below it (greedy: the top of softmax(logi
 of the sampled token) -- Draft & Verify's dynamic draft length. The choice depends on the draft
 alone, so verification stays lossless. The draft cache is synchronised with the committed tokens by
 longest common prefix, so rejected drafts are rolled back without any bookkeeping in the engine.
+A draft whose tokenizer differs from the target's drafts chains through text instead
+(:mod:`specdec.speculators.cross_vocab`; the builder below switches to it).
 
 With ``tree=`` other than ``chain`` the draft model drafts a token *tree* (SpecInfer / Sequoia
 style): depth by depth, one draft forward over the frontier (a tree mask over the draft's own
@@ -38,6 +40,7 @@ from specdec.config import SamplingConfig
 from specdec.control.budget import CostModel
 from specdec.errors import ConfigError
 from specdec.speculators.base import DraftContext, Feedback, Speculator
+from specdec.speculators.cross_vocab import CrossVocabSpeculator, build_cross_vocab
 from specdec.speculators.draft_vocab import SubsetHead
 from specdec.speculators.spec import SpeculatorOptions, option, register
 from specdec.target import LoadedModel, ModelRunner, TokenRunner, early_exit_model
@@ -47,6 +50,7 @@ from specdec.target.drafts import (  # noqa: F401 - names this module has always
     check_same_vocabulary,
     default_draft_dtype,
     draft_gguf_path,
+    draft_vocabulary_mismatch,
     load_draft,
 )
 from specdec.target.masks import attention_masks
@@ -107,7 +111,8 @@ AUTO_TREE = TreeShape(width=2, depths=2, below=0.8, frontier=4)
 class DraftOptions(SpeculatorOptions):
     primary = "model"
     model: str = option(
-        help="draft model directory (same vocabulary), or layers:N (the target's first N layers)"
+        help="draft model directory, GGUF file or pack (another tokenizer drafts chains "
+        "through text), or layers:N (the target's first N layers)"
     )
     min_confidence: float = option(
         0.0, help="stop a draft after a token whose draft probability is below this"
@@ -709,8 +714,13 @@ def default_draft_vocab(draft: LoadedModel) -> int:
 
 
 @register("draft", DraftOptions)
-def _build(target: LoadedModel, options: DraftOptions) -> DraftModelSpeculator:
-    """a smaller model of the same vocabulary drafts a chain (or a tree) over its own KV cache"""
+def _build(
+    target: LoadedModel, options: DraftOptions
+) -> DraftModelSpeculator | CrossVocabSpeculator:
+    """a smaller model drafts a chain or tree over its own KV cache (another tokenizer: chains)
+
+    A draft whose tokenizer differs from the target's drafts chains through text
+    (:mod:`specdec.speculators.cross_vocab`)."""
     spec = options.model
     shape = TreeShape.parse(options.tree)
     target_params = target.parameter_count()
@@ -727,7 +737,21 @@ def _build(target: LoadedModel, options: DraftOptions) -> DraftModelSpeculator:
             cost_prior=min(1.0, n / layers),
             length=options.length,
         )
-    draft = load_draft(spec, options.dtype, target, chain=shape is None, vocab=options.vocab)
+    draft = load_draft(
+        spec, options.dtype, target, chain=shape is None, vocab=options.vocab, any_vocabulary=True
+    )
+    if (note := draft_vocabulary_mismatch(target, draft)) is not None:  # drafts through text
+        vocab = options.vocab
+        if vocab is None:
+            vocab = 0 if isinstance(draft, LlamaCppDraft) else default_draft_vocab(draft)
+        return build_cross_vocab(
+            target,
+            draft,
+            note=note,
+            min_confidence=options.min_confidence,
+            vocab=vocab,
+            tree=shape is not None,
+        )
     if isinstance(draft, LlamaCppDraft):
         speculator = DraftModelSpeculator(
             draft.runner,

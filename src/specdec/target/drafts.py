@@ -57,26 +57,44 @@ def check_draft_dtype(dtype: str | None, *, chain: bool, vocab: int | None) -> N
         backend_for(dtype)  # an unknown name fails here, before anything loads
 
 
-def check_vocabulary(target: LoadedModel, tokenizer: object, d_size: int, source: str) -> None:
-    """A draft whose token ids mean other strings would be verified against the wrong text."""
+def vocabulary_mismatch(
+    target: LoadedModel, tokenizer: object, d_size: int, source: str
+) -> str | None:
+    """How a draft's vocabulary differs from the target's (``None``: it does not), for a note
+    or an error: a draft whose token ids mean other strings cannot draft ids directly."""
     t_vocab, d_vocab = target.tokenizer.get_vocab(), tokenizer.get_vocab()  # type: ignore[attr-defined]
     if t_vocab != d_vocab:
         diff = len(set(t_vocab.items()) ^ set(d_vocab.items()))
-        raise VocabularyMismatchError(
+        return (
             f"the draft's tokenizer ({source}, {len(d_vocab)} tokens) differs from the "
-            f"target's ({target.source}, {len(t_vocab)} tokens) in {diff} entries; a draft must "
-            "use the target's vocabulary"
+            f"target's ({target.source}, {len(t_vocab)} tokens) in {diff} entries"
         )
     t_size = target.config.vocab_size
     if t_size != d_size:
-        raise VocabularyMismatchError(
-            f"the draft's output layer has {d_size} logits, the target's {t_size}"
-        )
+        return f"the draft's output layer has {d_size} logits, the target's {t_size}"
+    return None
+
+
+def check_vocabulary(target: LoadedModel, tokenizer: object, d_size: int, source: str) -> None:
+    """A draft whose token ids mean other strings would be verified against the wrong text."""
+    mismatch = vocabulary_mismatch(target, tokenizer, d_size, source)
+    if mismatch is not None:
+        raise VocabularyMismatchError(f"{mismatch}; a draft must use the target's vocabulary")
 
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
     """:func:`check_vocabulary` for a draft loaded in torch."""
     check_vocabulary(target, draft.tokenizer, int(draft.config.vocab_size), draft.source)
+
+
+def draft_vocabulary_mismatch(
+    target: LoadedModel, draft: LoadedModel | LlamaCppDraft
+) -> str | None:
+    """:func:`vocabulary_mismatch` for a loaded draft (torch or llama.cpp)."""
+    if isinstance(draft, LlamaCppDraft):
+        tokenizer = gguf_tokenizer(draft.source)
+        return vocabulary_mismatch(target, tokenizer, draft.runner.vocab_size, str(draft.source))
+    return vocabulary_mismatch(target, draft.tokenizer, int(draft.config.vocab_size), draft.source)
 
 
 def default_draft_dtype(target: LoadedModel) -> str:
@@ -116,10 +134,13 @@ def _load_shared(spec: str, dtype: str, device: torch.device) -> LoadedModel:
     return loaded
 
 
-def load_torch_draft(spec: str, dtype: str | None, target: LoadedModel) -> LoadedModel:
+def load_torch_draft(
+    spec: str, dtype: str | None, target: LoadedModel, *, any_vocabulary: bool = False
+) -> LoadedModel:
     """The draft model ``spec`` in torch, in ``dtype`` or by default :func:`default_draft_dtype`
     (``int8-dynamic`` where int4 cannot pack a layer), on the target's device, its vocabulary
-    checked against the target's; shared with other speculators holding the same draft."""
+    checked against the target's (unless ``any_vocabulary``: a draft through text); shared with
+    other speculators holding the same draft."""
     if dtype is not None:
         draft = _load_shared(spec, dtype, target.device)
     else:
@@ -131,7 +152,8 @@ def load_torch_draft(spec: str, dtype: str | None, target: LoadedModel) -> Loade
                 raise
             # a linear int4 cannot pack (its shape): int8-dynamic takes any shape
             draft = _load_shared(spec, ANY_SHAPE, target.device)
-    check_same_vocabulary(target, draft)
+    if not any_vocabulary:
+        check_same_vocabulary(target, draft)
     return draft
 
 
@@ -199,7 +221,12 @@ class LlamaCppDraft:
 
 
 def load_llamacpp_draft(
-    spec: str, target: LoadedModel, requant: str | None = None, fall_back: bool = False
+    spec: str,
+    target: LoadedModel,
+    requant: str | None = None,
+    fall_back: bool = False,
+    *,
+    any_vocabulary: bool = False,
 ) -> LlamaCppDraft:
     """A chain drafter run by llama.cpp from the draft's GGUF file, requantized to ``requant``
     when given; with ``fall_back`` (the default numerics, which the user did not ask for) a
@@ -225,20 +252,30 @@ def load_llamacpp_draft(
     if model is None:
         model = LlamaModel(gguf)
         _LLAMA_MODELS[str(gguf)] = model
-    check_vocabulary(target, gguf_tokenizer(source), model.vocab_size, str(source))
+    if not any_vocabulary:
+        check_vocabulary(target, gguf_tokenizer(source), model.vocab_size, str(source))
     return LlamaCppDraft(LlamaCppRunner(model), source, gguf, requant)
 
 
 def load_draft(
-    spec: str, dtype: str | None, target: LoadedModel, *, chain: bool, vocab: int | None
+    spec: str,
+    dtype: str | None,
+    target: LoadedModel,
+    *,
+    chain: bool,
+    vocab: int | None,
+    any_vocabulary: bool = False,
 ) -> LoadedModel | LlamaCppDraft:
     """The draft ``spec`` loaded on the backend its ``dtype`` names, or by default the fastest
     (see the module's docstring): a torch model (the speculator may still reduce its LM head,
-    ``vocab=``), or a llama.cpp runner."""
+    ``vocab=``), or a llama.cpp runner. ``any_vocabulary``: a draft with another tokenizer is
+    loaded too (the caller drafts through text), not refused."""
     in_llamacpp, requant = parse_draft_dtype(dtype)
     by_default = dtype is None and llamacpp_by_default(spec, target, chain=chain, vocab=vocab)
     if by_default:
         in_llamacpp, requant = parse_draft_dtype(DEFAULT_DRAFT_DTYPE)
     if in_llamacpp:
-        return load_llamacpp_draft(spec, target, requant, fall_back=by_default)
-    return load_torch_draft(spec, dtype, target)
+        return load_llamacpp_draft(
+            spec, target, requant, fall_back=by_default, any_vocabulary=any_vocabulary
+        )
+    return load_torch_draft(spec, dtype, target, any_vocabulary=any_vocabulary)
