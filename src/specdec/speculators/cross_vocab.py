@@ -220,7 +220,9 @@ class CrossVocabSpeculator(Speculator):
             take -= 1
             delta = piece_text(self.target_tokenizer, m.t_ids, new[:take])
         if delta is None or (take < len(new) and delta.endswith(INCOMPLETE)):
-            delta = piece_text(self.target_tokenizer, m.t_ids, new) or ""
+            delta = piece_text(self.target_tokenizer, m.t_ids, new)
+            if delta is None:  # the tokens share a character with the text before them
+                delta = decode(self.target_tokenizer, new)
             take = len(new)
         if take == 0:
             return False
@@ -380,7 +382,9 @@ def build_cross_vocab(
             f"draft: {note}, so it drafts through text, and such a draft drafts chains only; "
             "use tree=chain"
         )
-    log.info("%s: the draft runs through text (cross-vocabulary drafting, chains)", note)
+    # a note the user sees once (as the missing chat template's): the mode is legitimate, but
+    # its acceptance is what the two models agree on in text
+    log.warning("%s: the draft runs through text (cross-vocabulary drafting, chains)", note)
     if isinstance(draft, LlamaCppDraft):
         speculator = CrossVocabSpeculator(
             draft.runner,
