@@ -364,6 +364,21 @@ def test_trained_drafter_is_lossless_greedy_and_accepts(tiny, trained):
     assert accepted > 20  # on its training prompts the drafter is right most of the time
 
 
+def test_a_fixed_length_eagle_chain_drafts_its_whole_depth(tiny, trained):
+    """adaptive=False: the tree is drafted whole, priced or not, so a chain DEPTHx1xDEPTH drafts
+    exactly its depth every step (the shape vLLM's EAGLE drafts), and stays lossless."""
+    _, out, _ = trained
+    spec = options_for("eagle", dir=str(out), tree="3x1x3")
+    engine = SpeculativeEngine.from_pretrained(tiny, speculator=spec, adaptive=False)
+    for prompt in PROMPTS[:3]:
+        plain = engine.generate(prompt, max_new_tokens=24, chat=True, speculate=False)
+        got = engine.generate(prompt, max_new_tokens=24, chat=True)
+        assert got.token_ids == plain.token_ids
+        stats = got.stats
+        assert stats.drafted_at[0] == stats.drafted_at[2] > 0  # every drafting step: 3 deep
+        assert stats.drafted_tokens == 3 * stats.drafted_at[0]
+
+
 def test_sampled_eagle_is_seeded(tiny, trained):
     _, out, _ = trained
     engine = SpeculativeEngine.from_pretrained(tiny, speculator=options_for("eagle", dir=str(out)))

@@ -172,10 +172,13 @@ class EagleSpeculator(Speculator):
         if h_root is None or budget < 1:
             return DraftTree.root_only(root)
         cap = min(budget, self.tree.total_tokens)
-        # the average price of a node in a full tree: deeper nodes less likely than this stop
-        slope = (context.tree_cost(cap + 1) - 1.0) / cap
+        # the average price of a node in a full tree: deeper nodes less likely than this stop;
+        # with a fixed length (adaptive=False) the whole tree is drafted, priced or not, so a
+        # chain drafts exactly its depth, as vLLM's EAGLE does
+        fixed = context.fixed_length
+        slope = 0.0 if fixed else (context.tree_cost(cap + 1) - 1.0) / cap
         nodes = self._expand(h_root, root_pos=len(context.tokens) - 1, slope=slope)
-        keep = self._select(nodes, cap, context)
+        keep = self._select(nodes, cap, context, fixed=fixed)
         return _to_tree(root, nodes, keep)
 
     def _children(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -234,9 +237,12 @@ class EagleSpeculator(Speculator):
                 a = nodes[a].parent
         return mask[None]
 
-    def _select(self, nodes: list[_Node], cap: int, context: DraftContext) -> list[int]:
+    def _select(
+        self, nodes: list[_Node], cap: int, context: DraftContext, *, fixed: bool = False
+    ) -> list[int]:
         """The ancestor-closed set of at most ``cap`` nodes that maximises expected tokens per
-        unit of verification cost (empty when drafting does not pay)."""
+        unit of verification cost (empty when drafting does not pay); ``fixed``: the ``cap``
+        most likely nodes, whatever they cost."""
         order = sorted(range(len(nodes)), key=lambda i: nodes[i].score, reverse=True)
         chosen: list[int] = []
         seen: set[int] = set()
@@ -256,7 +262,7 @@ class EagleSpeculator(Speculator):
             rate = (1.0 + gain) / context.tree_cost(1 + len(chosen))
             if rate > best_rate:
                 best_rate, best_n = rate, len(chosen)
-        return chosen[:best_n]
+        return chosen if fixed else chosen[:best_n]
 
 
 def _to_tree(root: int, nodes: list[_Node], keep: list[int]) -> DraftTree:
