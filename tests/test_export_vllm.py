@@ -291,6 +291,17 @@ def test_a_draft_directory_is_vllms_draft_model(tiny_model_dir, tiny_draft_dir, 
     )
 
 
+def test_a_draft_with_another_tokenizer_is_vllms_heterogeneous_vocabulary_draft(
+    tiny_model_dir, other_vocab_model_dir
+):
+    doc = export(f"draft:model={other_vocab_model_dir}", "--model", str(tiny_model_dir))
+    cfg = doc["speculative_config"]
+    assert cfg["method"] == "draft_model" and cfg["use_heterogeneous_vocab"] is True
+    assert any("heterogeneous-vocabulary" in n for n in doc["notes"])
+    same = export("draft:model=" + str(tiny_model_dir), "--model", str(tiny_model_dir))
+    assert "use_heterogeneous_vocab" not in same["speculative_config"]
+
+
 def test_an_early_exit_draft_is_written_as_a_standalone_model(tiny_model_dir, loaded, tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -364,22 +364,39 @@ def _draft(options: Any, target: str, local: LocalTarget, out: Path | None) -> _
     gguf = Path(spec) if spec.lower().endswith(".gguf") else None
     if is_pack(spec) and not Path(spec).exists() or gguf is not None:
         # vLLM loads a draft from a directory: the GGUF's dequantised copy, as for the target
-        draft = LocalTarget(None if gguf else Path(spec), gguf).hf_dir()
-        config["model"] = str(draft.resolve())
+        path = LocalTarget(None if gguf else Path(spec), gguf).hf_dir()
         note = (
             f"draft {spec} is passed as the directory specdec dequantised it into, "
-            f"{config['model']}, a path on this machine"
+            f"{path.resolve()}, a path on this machine"
         )
-        return _Result(config, notes=[note], reasons=reasons)
-    path = Path(spec)
-    if not (path / CONFIG).is_file():
-        raise ModelNotFoundError(
-            f"draft {spec!r} is not a Hugging Face model directory (no {CONFIG}), a GGUF file or "
-            "a model pack; vLLM loads a draft model from a directory or a Hub id"
-        )
+    else:
+        path = Path(spec)
+        if not (path / CONFIG).is_file():
+            raise ModelNotFoundError(
+                f"draft {spec!r} is not a Hugging Face model directory (no {CONFIG}), a GGUF "
+                "file or a model pack; vLLM loads a draft model from a directory or a Hub id"
+            )
+        note = f"draft {path.resolve()} is a path on this machine; vLLM must find it at that path"
     config["model"] = str(path.resolve())
-    note = f"draft {config['model']} is a path on this machine; vLLM must find it at that path"
-    return _Result(config, notes=[note], reasons=reasons)
+    notes = [note]
+    if _other_vocabulary(local.hf_dir(), path):
+        config["use_heterogeneous_vocab"] = True
+        notes.append(
+            "the draft's tokenizer differs from the target's: vLLM's heterogeneous-vocabulary "
+            "draft (use_heterogeneous_vocab, greedy drafts) proposes only tokens both "
+            "vocabularies spell the same, where specdec carries the draft's text into the "
+            "target's tokens: both are lossless, their acceptance differs"
+        )
+    return _Result(config, notes=notes, reasons=reasons)
+
+
+def _other_vocabulary(target_dir: Path, draft_dir: Path) -> bool:
+    """Whether the draft's tokenizer maps other strings to ids than the target's."""
+    from transformers import AutoTokenizer
+
+    target = AutoTokenizer.from_pretrained(str(target_dir))
+    draft = AutoTokenizer.from_pretrained(str(draft_dir))
+    return bool(target.get_vocab() != draft.get_vocab())
 
 
 def _write_early_exit(hf_dir: Path, n: int, dest: Path) -> None:
