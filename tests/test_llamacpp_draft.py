@@ -123,17 +123,24 @@ def test_runner_rolls_back_exactly_and_requests_have_their_own_cache():
 
 
 @needs_llama
-def test_a_model_directory_or_another_vocabulary_is_refused(smol64, tiny_model_dir, tiny64):
+def test_a_model_directory_is_refused_and_another_vocabulary_drafts_through_text(
+    smol64, tiny_model_dir, tiny64
+):
     with pytest.raises(ConfigError, match="not a GGUF file"):
         SpeculativeEngine.from_pretrained(
             smol64, speculator=f"draft:model={tiny_model_dir},dtype=gguf"
         )
-    from specdec.errors import VocabularyMismatchError
+    from specdec.speculators.cross_vocab import CrossVocabSpeculator
 
-    with pytest.raises(VocabularyMismatchError):
-        SpeculativeEngine.from_pretrained(
-            tiny64, speculator=f"draft:model={default_gguf_path()},dtype=gguf"
-        )
+    # the bundled GGUF in llama.cpp drafting for a target with another tokenizer: through text
+    engine = SpeculativeEngine.from_pretrained(
+        tiny64, speculator=f"draft:model={default_gguf_path()},dtype=gguf"
+    )
+    assert isinstance(engine.speculator, CrossVocabSpeculator)
+    for prompt in ("the the the the", "ROMEO: But soft, what light"):
+        plain = engine.generate(prompt, max_new_tokens=16, ignore_eos=True, speculate=False)
+        got = engine.generate(prompt, max_new_tokens=16, ignore_eos=True)
+        assert got.token_ids == plain.token_ids
 
 
 def test_missing_llama_cpp_names_the_install_step(monkeypatch, smol64):
