@@ -63,6 +63,7 @@ def test_a_real_busy_loop_is_seen_and_left_out():
         spinner.wait()
 
 
+@pytest.mark.slow(threads=1)  # a CLI process: seconds of imports
 def test_the_cli_says_what_it_chose(tiny_model_dir):
     env = {**os.environ, "SPECDEC_PIN_THREADS": "1"}
     run = subprocess.run(
