@@ -1,4 +1,4 @@
-"""``--dtype kquant``: a GGUF file's own Q4_K / Q6_K blocks through specdec's small-row kernel.
+"""``--dtype kquant``: a GGUF file's own quantised blocks through specdec's small-row kernel.
 
 What is checked: the blocks are read exactly (the layer's weight equals the gguf package's own
 dequantisation, bit for bit); the kernel computes what its integer formula says (against a
@@ -34,16 +34,35 @@ from specdec.tree import DraftTree
 pytestmark = pytest.mark.slow(threads=1)  # the kernel compiles once per session: over a minute
 
 KINDS = {"Q4_K": (144, GGMLQuantizationType.Q4_K), "Q6_K": (210, GGMLQuantizationType.Q6_K)}
+# every type the kernel takes: bytes per block, weights per block
+ALL_KINDS = {
+    "Q4_0": (18, 32),
+    "Q4_1": (20, 32),
+    "Q5_0": (22, 32),
+    "Q5_1": (24, 32),
+    "Q8_0": (34, 32),
+    "Q4_K": (144, 256),
+    "Q5_K": (176, 256),
+    "Q6_K": (210, 256),
+}
 
 
 def random_blocks(kind: str, n: int, k: int, seed: int, scale: float = 1.0) -> np.ndarray:
-    """``[n, k / 256 * bytes]`` valid blocks: random codes and sub-scales, small fp16 d."""
-    size, _ = KINDS[kind]
+    """``[n, k / block * bytes]`` valid blocks: random codes and sub-scales, small fp16 d (and
+    min, for the kinds that have one)."""
+    size, per = ALL_KINDS[kind]
     rng = np.random.default_rng(seed)
-    b = rng.integers(0, 256, (n * k // 256, size), dtype=np.uint8)
-    if kind == "Q4_K":
+    b = rng.integers(0, 256, (n * k // per, size), dtype=np.uint8)
+    if kind in ("Q4_K", "Q5_K"):
         d = (rng.uniform(0.5, 1.5, (len(b), 2)) * [2e-3, 4e-3] * scale).astype(np.float16)
         b[:, 0:4] = d.view(np.uint8)
+    elif per == 32:
+        b[:, 0:2] = (
+            (rng.uniform(0.5, 1.5, (len(b), 1)) * 1e-2 * scale).astype(np.float16).view(np.uint8)
+        )
+        if kind in ("Q4_1", "Q5_1"):
+            m = rng.uniform(-1, 1, (len(b), 1)) * 5e-2 * scale
+            b[:, 2:4] = m.astype(np.float16).view(np.uint8)
     else:
         b[:, 192:208] = rng.integers(-20, 21, (len(b), 16), dtype=np.int8).view(np.uint8)
         b[:, 208:210] = (
@@ -53,7 +72,34 @@ def random_blocks(kind: str, n: int, k: int, seed: int, scale: float = 1.0) -> n
 
 
 def reference_weight(kind: str, blocks: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(dequantize(blocks, KINDS[kind][1]).astype(np.float32))
+    return torch.from_numpy(dequantize(blocks, GGMLQuantizationType[kind]).astype(np.float32))
+
+
+@pytest.mark.parametrize("kind", list(ALL_KINDS))
+@pytest.mark.parametrize("k", [512, 576])
+def test_every_kind_is_read_exactly_and_computed_row_by_row(kind, k):
+    """Each file type's blocks give the gguf package's own dequantisation bit for bit (rows
+    576 wide, as the bundled model's, are padded to 768 with zero weights), the layer stays
+    close to the fp32 one, every row is computed alone, and the SIMD paths give the same bits
+    while the portable loop agrees to float rounding."""
+    if k % ALL_KINDS[kind][1]:
+        pytest.skip(f"{kind} blocks are {ALL_KINDS[kind][1]} wide")
+    blocks = random_blocks(kind, 24, k, seed=11)
+    layer = KQuantLinear.from_gguf(kind, blocks, k)
+    assert torch.equal(layer.exact_weight(), reference_weight(kind, blocks))
+    torch.manual_seed(2)
+    x = torch.randn(11, k)
+    y = layer(x)
+    fp32 = x @ reference_weight(kind, blocks).T
+    assert ((y - fp32).norm() / fp32.norm()).item() < 0.02
+    assert torch.equal(y, torch.cat([layer(x[i : i + 1]) for i in range(11)]))
+    ext = extension()
+    padded = torch.nn.functional.pad(x, (0, layer.padded_in - k))
+    args = (layer.codes, layer.meta, layer.d, layer.dmin, layer.kind_id)
+    paths = [ext.kquant_mm_on(padded, *args, p) for p in range(ext.best_path() + 1)]
+    for simd in paths[1:]:
+        assert torch.equal(simd, paths[-1])
+    assert torch.allclose(paths[0], paths[-1], rtol=1e-5, atol=1e-5 * paths[0].abs().max().item())
 
 
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
@@ -69,10 +115,10 @@ def test_blocks_are_read_exactly(kind):
 
 
 def _formula(kind: str, layer: KQuantLinear, x: torch.Tensor) -> torch.Tensor:
-    """The kernel's arithmetic in float64: int8 activation blocks (scale amax / 127, rounded
-    to nearest even), dotted with the dequantised weight."""
+    """The kernel's arithmetic in float64: int8 activation blocks of 32 (scale amax / 127,
+    rounded to nearest even), dotted with the dequantised weight."""
     rows, k = x.shape
-    xb = x.double().view(rows, k // 256, 256)
+    xb = x.double().view(rows, k // 32, 32)
     amax = xb.abs().amax(-1, keepdim=True)
     iscale = (127.0 / amax.float()).double()  # the kernel computes 127 / amax in float32
     q = torch.round((xb.float() * iscale.float()).double()).clamp(-127, 127)
@@ -121,7 +167,7 @@ def test_the_simd_and_portable_paths_agree():
     for kind in KINDS:
         layer = KQuantLinear.from_gguf(kind, random_blocks(kind, 32, 512, seed=4), 512)
         x = torch.randn(5, 512)
-        args = (layer.codes, layer.meta, layer.d, layer.dmin, kind == "Q6_K")
+        args = (layer.codes, layer.meta, layer.d, layer.dmin, layer.kind_id)
         simd, portable = ext.kquant_mm(x, *args, False), ext.kquant_mm(x, *args, True)
         # same integers; the float sums are ordered differently (lanes against one running sum)
         assert torch.allclose(simd, portable, rtol=1e-5, atol=1e-5 * portable.abs().max().item())
@@ -213,16 +259,13 @@ def test_what_kquant_cannot_run_is_refused(tiny_model_dir):
     # a model directory: no file blocks to run
     with pytest.raises(ConfigError, match="pass --gguf FILE or a model pack"):
         load_model(tiny_model_dir, dtype="kquant")
-    # the bundled SmolLM2 file is Q4_1 (its tied embedding, the head, Q8_0): no K-quants
-    with pytest.raises(ConfigError, match=r"Q4_1\.gguf's \S+ is Q\d_\d; use a Q4_K_M"):
-        load_model(None, dtype="kquant")
     # blocks that do not hold the checkpoint's weight (a permuted layout) are not run
     linear = nn.Linear(256, 4, bias=False)
     model = nn.Sequential()
     model.add_module("proj", linear)
     data = random_blocks("Q4_K", 4, 256, seed=7)
     linear.weight.data.copy_(reference_weight("Q4_K", data).flip(0))
-    with pytest.raises(ConfigError, match="permute q/k rows"):
+    with pytest.raises(ConfigError, match="a row order this reader does not know"):
         attach_blocks(model, {"proj": ("Q4_K", data)}, "test")
     # a linear without blocks
     with pytest.raises(ConfigError, match="has none"):
@@ -253,14 +296,21 @@ def test_the_avx2_path_gives_the_avx512_bits():
     ext = extension()
     if ext.best_path() < 1:
         pytest.skip("no AVX2 on this CPU: only the portable path runs")
-    code_bytes = {"Q4_K": slice(16, 144), "Q6_K": slice(0, 192)}
-    for kind in KINDS:
+    code_bytes = {
+        "Q4_K": slice(16, 144),
+        "Q6_K": slice(0, 192),
+        "Q5_K": slice(16, 176),
+        "Q4_0": slice(2, 18),
+        "Q5_1": slice(4, 24),
+        "Q8_0": slice(2, 34),  # 0x7F: code 127 + 128 = 255, the widest 8-bit code
+    }
+    for kind in code_bytes:
         blocks = random_blocks(kind, 40, 768, seed=7)
-        worst = blocks.reshape(-1, KINDS[kind][0]).copy()
-        worst[:, code_bytes[kind]] = 0xFF
+        worst = blocks.reshape(-1, ALL_KINDS[kind][0]).copy()
+        worst[:, code_bytes[kind]] = 0x7F if kind == "Q8_0" else 0xFF
         for b in (blocks, worst.reshape(40, -1)):
             layer = KQuantLinear.from_gguf(kind, b, 768)
-            args = (layer.codes, layer.meta, layer.d, layer.dmin, kind == "Q6_K")
+            args = (layer.codes, layer.meta, layer.d, layer.dmin, layer.kind_id)
             x = torch.randn(11, 768)
             x[0], x[1] = 1.0, -1.0
             avx2 = ext.kquant_mm_on(x, *args, 1)
@@ -305,3 +355,74 @@ def test_a_batch_through_kquant_equals_each_sequence_alone(
         assert [r.token_ids for r in batched] == solo, max_batch
         if spec != "none":
             assert sum(r.stats.drafted_tokens for r in batched) > 0
+
+
+def test_auto_runs_the_bundled_file_in_its_own_blocks(tiny_model_dir):
+    """``--dtype auto`` (the default): the bundled SmolLM2 file (llama architecture, Q4_1
+    linears, a Q8_0 tied head, rows 576 wide) runs its own blocks; its q/k rows, which
+    llama.cpp's converter permutes, are put back in the checkpoint's order (else the logits
+    would be far from the fp32 model's); greedy speculation equals plain decoding in these
+    numerics. A model directory runs float32, and a file the kernel cannot take says why."""
+    from specdec.target.base import ModelSource
+    from specdec.target.loading import choose_dtype
+
+    loaded = load_model(None)
+    assert loaded.dtype_name == "kquant"
+    assert all(not isinstance(m, nn.Linear) for m in loaded.model.modules())
+    fp32 = load_model(None, dtype="float32")
+    ids = loaded.tokenizer("def quicksort(arr):\n    if len(arr) <= 1:", return_tensors="pt")
+    with torch.no_grad():
+        a, b = loaded.model(ids.input_ids).logits[0], fp32.model(ids.input_ids).logits[0]
+    assert ((a - b).norm() / b.norm()).item() < 0.05
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() >= 0.8
+    engine = SpeculativeEngine.from_pretrained(loaded, speculator="prompt-lookup")
+    prompt = "Repeat: the cat sat on the mat, the cat sat on the mat, the cat sat on the"
+    plain = engine.generate(prompt, max_new_tokens=24, speculate=False)
+    fast = engine.generate(prompt, max_new_tokens=24)
+    assert fast.token_ids == plain.token_ids and fast.stats.drafted_tokens > 0
+    assert choose_dtype(ModelSource(tiny_model_dir)) == ("float32", None)
+
+
+def test_auto_falls_back_with_the_reason_and_the_cost(tmp_path):
+    """A GGUF file whose architecture the kernel does not place falls back to float32, with
+    one note naming why and what the dequantised copy reads per token."""
+    import gguf
+
+    from specdec.target.base import ModelSource
+    from specdec.target.loading import choose_dtype
+
+    path = tmp_path / "other.gguf"
+    writer = gguf.GGUFWriter(str(path), "mamba")
+    writer.add_tensor("blk.0.ffn_up.weight", np.zeros((64, 256), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    dtype, note = choose_dtype(ModelSource(gguf=path))
+    assert dtype == "float32"
+    assert note is not None and "architecture is mamba" in note and "GB a token" in note
+
+
+PACKS_HERE = [
+    alias
+    for alias, name in (
+        ("gemma-3-270m", "gemma-3-270m-q4_k_m.gguf"),
+        ("qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
+    )
+    if (QWEN.parent / name).is_file()
+]
+
+
+@pytest.mark.skipif(not PACKS_HERE, reason="no Gemma 3 / Qwen 0.5B pack installed")
+@pytest.mark.parametrize("alias", PACKS_HERE)
+def test_real_files_of_other_types_run_their_own_blocks(alias):
+    """Gemma 3 270M (gemma3: Q5_0/Q8_0/Q4_K/Q6_K, rows 640 wide, sliding-window layers) and
+    the Qwen 0.5B (Q5_0/Q8_0 rows 896 wide) run their own blocks by default, and greedy
+    speculation equals plain decoding in those numerics."""
+    loaded = load_model(alias)
+    assert loaded.dtype_name == "kquant"
+    engine = SpeculativeEngine.from_pretrained(loaded, speculator="prompt-lookup")
+    prompt = "Repeat: the cat sat on the mat, the cat sat on the mat, the cat sat on the"
+    plain = engine.generate(prompt, max_new_tokens=24, speculate=False)
+    fast = engine.generate(prompt, max_new_tokens=24)
+    assert fast.token_ids == plain.token_ids and fast.stats.drafted_tokens > 0

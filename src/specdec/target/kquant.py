@@ -1,5 +1,6 @@
-"""``--dtype kquant``: linears over a GGUF file's own Q4_K / Q6_K blocks, with a small-row
-kernel that keeps verification cheap (``csrc/kquant.cpp``).
+"""``--dtype kquant`` (what ``--dtype auto`` picks for a GGUF file on the CPU): linears over a
+GGUF file's own quantised blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), with a
+small-row kernel that keeps verification cheap (``csrc/kquant.cpp``).
 
 Why: llama.cpp decodes one token at memory speed, but its CPU kernels are bound by arithmetic
 from two rows on, so verifying k drafted tokens costs nearly k decode steps and speculation
@@ -8,7 +9,9 @@ each 256-weight super-block once and multiplies it with up to 8 rows by integer 
 (AVX-512 VNNI, or AVX2 with the same bits; ``extension().path_name()`` says which runs).
 
 Exactness: the weights are the file's codes and 6-bit sub-block scales as integers and its
-fp16 ``d``/``dmin`` held in fp32, so nothing is rounded a second time; activations are rounded
+fp16 ``d``/``dmin`` held in fp32 (for the 32-weight block types, each block's fp16 scale and
+offset), so nothing is rounded a second time; rows not a multiple of 256 wide are padded with
+zero weights; activations are rounded
 per row and per 256-block to int8 (llama.cpp's Q8_K rule). Every row is computed from itself
 alone in the same order whatever the row count, so a k-row verification pass gives each row
 bit for bit what a one-row decoding step gives it.
@@ -24,14 +27,16 @@ import functools
 import os
 from pathlib import Path
 from types import ModuleType
+from typing import cast
 
 import numpy as np
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from specdec.errors import ConfigError
 from specdec.target import files
-from specdec.target.gguf_blocks import q4k_fields
+from specdec.target.gguf_blocks import SMALL_BLOCKS, q4k_fields, q5k_fields, small_block_fields
 
 QK = 256
 Q6_K_BYTES = 210  # 128 B low nibbles, 64 B high bits, 16 int8 scales, fp16 d
@@ -60,7 +65,7 @@ def extension() -> ModuleType:
         )
     except (RuntimeError, OSError, ImportError) as error:
         raise ConfigError(
-            "the Q4_K/Q6_K kernel could not be compiled (it needs a C++ compiler and the "
+            "the quantised-block kernel could not be compiled (it needs a C++ compiler and the "
             f"'ninja' package: pip install ninja): {str(error).splitlines()[0]}"
         ) from error
 
@@ -93,10 +98,18 @@ def q4k_parts(blocks: np.ndarray, n: int) -> dict[str, torch.Tensor]:
     }
 
 
+def _pack_six(codes: np.ndarray) -> np.ndarray:
+    """``[B, 256]`` codes of up to 6 bits as the kernel reads them: the low nibbles packed as
+    for Q4_K, then the 2-bit high parts, register c's in bits 2c and 2c + 1 of each byte."""
+    nibbles = _pack_nibbles(codes & 15)
+    high = _to_lanes(codes >> 4)
+    high = (high[:, 0] | (high[:, 1] << 2) | (high[:, 2] << 4) | (high[:, 3] << 6)).astype(np.uint8)
+    return np.concatenate([nibbles, high], 1)  # [B, 192]
+
+
 def q6k_parts(blocks: np.ndarray, n: int) -> dict[str, torch.Tensor]:
-    """A Q6_K tensor's bytes ``[N, K/256 * 210]``: its 6-bit codes (low nibbles packed as for
-    Q4_K, then the 2-bit high parts, in the kernel's lane layout), its int8 scale per 16
-    weights, fp16 d.
+    """A Q6_K tensor's bytes ``[N, K/256 * 210]``: its 6-bit codes (:func:`_pack_six`), its
+    int8 scale per 16 weights, fp16 d.
     ``w = d * sc * (q - 32)``."""
     b = np.ascontiguousarray(blocks).reshape(-1, Q6_K_BYTES)
     ql = b[:, :128].reshape(-1, 2, 64)
@@ -107,10 +120,7 @@ def q6k_parts(blocks: np.ndarray, n: int) -> dict[str, torch.Tensor]:
         [ql[:, :, :32] & 15, ql[:, :, 32:] & 15, ql[:, :, :32] >> 4, ql[:, :, 32:] >> 4], 2
     )  # [B, 2, 128]: weights 0-31, 32-63, 64-95, 96-127
     hi = np.concatenate([(qh >> s) & 3 for s in (0, 2, 4, 6)], 2)  # [B, 2, 128]
-    nibbles = _pack_nibbles(lo.reshape(-1, 256))
-    high = _to_lanes(hi.reshape(-1, 256))  # register c's 2-bit parts go to bits 2c, 2c + 1
-    high = (high[:, 0] | (high[:, 1] << 2) | (high[:, 2] << 4) | (high[:, 3] << 6)).astype(np.uint8)
-    codes = np.concatenate([nibbles, high], 1)  # [B, 192]: 6.5 bits a weight, as in the file
+    codes = _pack_six((lo | (hi << 4)).reshape(-1, 256))  # 6.5 bits a weight, as in the file
     nb = b.shape[0] // n
     return {
         "codes": torch.from_numpy(codes.reshape(n, nb * 192).copy()),
@@ -120,20 +130,74 @@ def q6k_parts(blocks: np.ndarray, n: int) -> dict[str, torch.Tensor]:
     }
 
 
+def q5k_parts(blocks: np.ndarray, n: int) -> dict[str, torch.Tensor]:
+    """A Q5_K tensor's bytes ``[N, K/256 * 176]``: 5-bit codes in the 6-bit layout, scales,
+    mins and d/dmin as for Q4_K. ``w = d * sc * q - dmin * m``."""
+    d, dmin, sc, m, codes = q5k_fields(blocks)
+    nb = len(d) // n
+    meta = np.concatenate([sc, m], 1).astype(np.uint8)
+    return {
+        "codes": torch.from_numpy(_pack_six(codes).reshape(n, nb * 192).copy()),
+        "meta": torch.from_numpy(meta.reshape(n, nb * 16).copy()),
+        "d": torch.from_numpy(d.reshape(n, nb).copy()),
+        "dmin": torch.from_numpy(dmin.reshape(n, nb).copy()),
+    }
+
+
+def small_parts(kind: str, blocks: np.ndarray, n: int, k: int) -> dict[str, torch.Tensor]:
+    """A tensor of 32-weight blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), ``[N, K/32 * bytes]``, as
+    the kernel's lane-scaled super-blocks: each row padded with zero blocks (d = m = 0) to a
+    multiple of 256 weights, its codes in the lane layout (4-bit, 6-bit or 8-bit), and per
+    256 weights 8 fp16 d then 8 fp16 m, ``w = d * code + m`` (exact: the file's own values)."""
+    codes, d, m = small_block_fields(blocks, kind)
+    per_row = k // 32
+    padded = -(-k // QK) * (QK // 32)  # 32-blocks per padded row
+    c = np.zeros((n, padded, 32), np.uint8)
+    c[:, :per_row] = codes.reshape(n, per_row, 32)
+    dd = np.zeros((n, padded), np.float16)
+    mm = np.zeros((n, padded), np.float16)
+    dd[:, :per_row], mm[:, :per_row] = d.reshape(n, per_row), m.reshape(n, per_row)
+    flat = c.reshape(-1, QK)
+    bits = SMALL_BLOCKS[kind][2]
+    if bits == 4:
+        packed = _pack_nibbles(flat)
+    elif bits == 5:
+        packed = _pack_six(flat)
+    else:
+        packed = _to_lanes(flat).reshape(-1, QK).astype(np.uint8)
+    nb = padded * 32 // QK
+    meta = np.concatenate([dd.reshape(-1, 8).view(np.uint8), mm.reshape(-1, 8).view(np.uint8)], 1)
+    return {
+        "codes": torch.from_numpy(np.ascontiguousarray(packed).reshape(n, -1).copy()),
+        "meta": torch.from_numpy(meta.reshape(n, nb * 32).copy()),
+        "d": torch.zeros(0, dtype=torch.float16),
+        "dmin": torch.zeros(0, dtype=torch.float16),
+    }
+
+
+# the kernel's weight kinds (csrc/kquant.cpp ``Kind``): each file type, and its code width
+KIND_IDS = {"Q4_K": 0, "Q6_K": 1, "Q5_K": 2, "Q4_0": 3, "Q4_1": 3, "Q5_0": 4, "Q5_1": 4, "Q8_0": 5}
+_CODE_STRIDE = {0: 128, 1: 192, 2: 192, 3: 128, 4: 192, 5: 256}
+
+
 class KQuantLinear(nn.Module):
-    """A linear layer over one GGUF Q4_K or Q6_K tensor, multiplied by the small-row kernel."""
+    """A linear layer over one GGUF tensor of a type in :data:`KINDS`, multiplied by the
+    small-row kernel. Rows whose width is not a multiple of 256 are padded with zero weights
+    (and the input with zeros) to the next one."""
 
     def __init__(
         self, kind: str, parts: dict[str, torch.Tensor], in_features: int, bias: torch.Tensor | None
     ) -> None:
         super().__init__()
-        if kind not in ("Q4_K", "Q6_K"):
-            raise ConfigError(f"KQuantLinear takes Q4_K or Q6_K tensors, not {kind}")
-        if in_features % QK:
-            raise ConfigError(f"in_features {in_features} is not a multiple of {QK}")
+        if kind not in KIND_IDS:
+            raise ConfigError(f"KQuantLinear takes {', '.join(KINDS)} tensors, not {kind}")
         self.kind = kind
+        self.kind_id = KIND_IDS[kind]
         self.in_features = in_features
-        self.out_features = parts["d"].shape[0]
+        self.padded_in = -(-in_features // QK) * QK
+        if self.kind_id < 3 and self.padded_in != in_features:
+            raise ConfigError(f"in_features {in_features} is not a multiple of {QK}")
+        self.out_features = parts["codes"].shape[0]
         self.codes, self.meta = parts["codes"], parts["meta"]
         self.d, self.dmin = parts["d"], parts["dmin"]
         self.bias = None if bias is None else bias.detach().float().contiguous()
@@ -143,17 +207,29 @@ class KQuantLinear(nn.Module):
         cls, kind: str, data: np.ndarray, in_features: int, bias: torch.Tensor | None = None
     ) -> KQuantLinear:
         n = data.shape[0]
-        parts = q4k_parts(data, n) if kind == "Q4_K" else q6k_parts(data, n)
+        if kind == "Q4_K":
+            parts = q4k_parts(data, n)
+        elif kind == "Q6_K":
+            parts = q6k_parts(data, n)
+        elif kind == "Q5_K":
+            parts = q5k_parts(data, n)
+        elif kind in SMALL_BLOCKS:
+            parts = small_parts(kind, data, n, in_features)
+        else:
+            raise ConfigError(f"KQuantLinear takes {', '.join(KINDS)} tensors, not {kind}")
         return cls(kind, parts, in_features, bias)
 
     def _codes(self) -> torch.Tensor:
         """Every weight's code, ``[N, nb, 256]`` int16 in weight order."""
-        n, nb = self.out_features, self.in_features // QK
-        stride = 192 if self.kind == "Q6_K" else 128
+        n, nb = self.out_features, self.padded_in // QK
+        stride = _CODE_STRIDE[self.kind_id]
         raw = self.codes.view(n, nb, stride)
-        packed = raw[..., :128].reshape(n, nb, 2, 1, 64)
-        lanes = torch.cat([packed & 15, packed >> 4], 3).reshape(n, nb, 4, 64).to(torch.int16)
-        if self.kind == "Q6_K":
+        if stride == 256:
+            lanes = raw.view(n, nb, 4, 64).to(torch.int16)
+        else:
+            packed = raw[..., :128].reshape(n, nb, 2, 1, 64)
+            lanes = torch.cat([packed & 15, packed >> 4], 3).reshape(n, nb, 4, 64).to(torch.int16)
+        if stride == 192:
             high = raw[..., 128:].reshape(n, nb, 1, 64)
             parts = torch.cat([(high >> (2 * c)) & 3 for c in range(4)], 2)  # [n, nb, 4, 64]
             lanes = lanes | (parts.to(torch.int16) << 4)
@@ -162,7 +238,12 @@ class KQuantLinear(nn.Module):
 
     def exact_weight(self) -> torch.Tensor:
         """The exact fp32 weight ``[N, K]`` (what the file's own dequantisation gives)."""
-        n, nb = self.out_features, self.in_features // QK
+        n, nb = self.out_features, self.padded_in // QK
+        if self.kind_id >= 3:
+            scales = self.meta.view(torch.float16).view(n, nb, 2, 8).float()
+            q = self._codes().view(n, nb, 8, 32).float()
+            w = scales[:, :, 0, :, None] * q + scales[:, :, 1, :, None]
+            return w.reshape(n, -1)[:, : self.in_features].contiguous()
         d = self.d.float().view(n, nb, 1, 1)
         if self.kind == "Q6_K":
             q = self._codes().view(n, nb, 16, 16).float() - 32
@@ -180,7 +261,7 @@ class KQuantLinear(nn.Module):
         blocks = getattr(linear, ATTACHED, None)
         if blocks is None:
             raise ConfigError(
-                "dtype 'kquant' runs a GGUF file's own Q4_K/Q6_K blocks, and this linear layer "
+                "dtype 'kquant' runs a GGUF file's own quantised blocks, and this linear layer "
                 f"([out={linear.out_features}, in={linear.in_features}]) has none: load the "
                 "model from its GGUF file (--gguf FILE or a model pack), or use int8-dynamic"
             )
@@ -198,9 +279,9 @@ class KQuantLinear(nn.Module):
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """The layer on float32 rows ``[rows, in]`` -> ``[rows, out]``, without the module
         call (the lean decoder layers call it a few hundred times a step)."""
-        y = extension().kquant_mm(
-            x, self.codes, self.meta, self.d, self.dmin, self.kind == "Q6_K", False
-        )
+        if self.padded_in != self.in_features:
+            x = F.pad(x, (0, self.padded_in - self.in_features))
+        y = extension().kquant_mm(x, self.codes, self.meta, self.d, self.dmin, self.kind_id, False)
         if self.bias is not None:
             y += self.bias
         return y
@@ -233,13 +314,77 @@ def module_path(tensor_name: str, tied: bool) -> str | None:
     return None
 
 
+# what the kernel multiplies, and the architectures whose GGUF rows it knows how to place
+KINDS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+ARCHITECTURES = ("qwen2", "llama", "gemma3")
+
+
+def coverage(gguf_path: str | os.PathLike[str]) -> str | None:
+    """Why ``dtype='kquant'`` cannot run ``gguf_path`` (``None``: it can): an architecture
+    whose rows it cannot place, or a linear's tensor type it has no kernel for. Reads the
+    file's header and tensor table only."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf_path))
+    field = reader.fields.get("general.architecture")
+    arch = "unknown" if field is None else bytes(field.parts[-1]).decode()
+    if arch not in ARCHITECTURES:
+        return f"its architecture is {arch} (kquant runs {', '.join(ARCHITECTURES)})"
+    tensors = {t.name: t.tensor_type.name for t in reader.tensors}
+    tied = "output.weight" not in tensors
+    for name, kind in tensors.items():
+        if module_path(name, tied) is not None and kind not in KINDS:
+            return f"its {name} is {kind} (kquant multiplies {', '.join(KINDS)})"
+    return None
+
+
+def linear_bytes(gguf_path: str | os.PathLike[str]) -> tuple[float, float]:
+    """GB of the file's linear weights as stored, and as fp32 (what a dequantised copy reads
+    per token)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf_path))
+    names = {t.name for t in reader.tensors}
+    tied = "output.weight" not in names
+    stored = fp32 = 0
+    for t in reader.tensors:
+        if module_path(t.name, tied) is not None:
+            stored += int(t.n_bytes)
+            fp32 += 4 * int(t.n_elements)
+    return stored / 1e9, fp32 / 1e9
+
+
+def _field(reader: object, key: str) -> object | None:
+    field = getattr(reader, "fields").get(key)  # noqa: B009 - GGUFReader's, untyped
+    if field is None:
+        return None
+    value = field.parts[-1]
+    return bytes(value).decode() if field.types and field.types[0].name == "STRING" else value[0]
+
+
+def llama_row_order(rows: int, heads: int) -> np.ndarray:
+    """The GGUF row each checkpoint row of a llama-architecture q/k projection is: llama.cpp's
+    converter interleaves each head's two rotary halves (``permute``); transformers' reader
+    undoes it (``reverse_permute``), and the kernel reads the file's rows in that order."""
+    half = rows // heads // 2
+    return np.arange(rows).reshape(heads, half, 2).swapaxes(1, 2).reshape(rows)
+
+
 def attach_gguf_blocks(model: nn.Module, gguf_path: str | os.PathLike[str]) -> int:
     """Give every ``nn.Linear`` of ``model`` (loaded from ``gguf_path``) its tensor's blocks,
     so the ``kquant`` swap builds from the file's codes. Refuses, before anything is swapped, a
-    file whose linears are not all Q4_K/Q6_K."""
+    file the kernel does not cover (:func:`coverage`)."""
     from gguf import GGUFReader
 
-    tensors = {t.name: t for t in GGUFReader(str(gguf_path)).tensors}
+    reason = coverage(gguf_path)
+    if reason is not None:
+        raise ConfigError(
+            f"dtype 'kquant' cannot run {Path(gguf_path).name}: {reason}; use --dtype float32 "
+            "(the dequantised weights), gguf (llama.cpp) or int8-dynamic for this one"
+        )
+    reader = GGUFReader(str(gguf_path))
+    arch = _field(reader, "general.architecture")
+    tensors = {t.name: t for t in reader.tensors}
     modules = dict(model.named_modules())
     tied = "output.weight" not in tensors
     blocks: dict[str, tuple[str, np.ndarray]] = {}
@@ -247,14 +392,14 @@ def attach_gguf_blocks(model: nn.Module, gguf_path: str | os.PathLike[str]) -> i
         path = module_path(name, tied)
         if path is None or not isinstance(modules.get(path), nn.Linear):
             continue
-        kind = tensor.tensor_type.name
-        if kind not in ("Q4_K", "Q6_K"):
-            raise ConfigError(
-                f"dtype 'kquant' multiplies Q4_K and Q6_K blocks, but {Path(gguf_path).name}'s "
-                f"{name} is {kind}; use a Q4_K_M/Q4_K_S file, or --dtype gguf (llama.cpp) or "
-                "int8-dynamic for this one"
-            )
-        blocks[path] = (kind, np.asarray(tensor.data))
+        data = np.asarray(tensor.data)
+        role = name.split(".")[2] if name.startswith("blk.") else ""
+        if arch == "llama" and role in ("attn_q", "attn_k"):
+            heads = _field(reader, "llama.attention.head_count")
+            if role == "attn_k":
+                heads = _field(reader, "llama.attention.head_count_kv") or heads
+            data = data[llama_row_order(data.shape[0], int(cast(int, heads)))]
+        blocks[path] = (tensor.tensor_type.name, data)
     return attach_blocks(model, blocks, Path(gguf_path).name)
 
 
@@ -267,12 +412,13 @@ def attach_blocks(model: nn.Module, blocks: dict[str, tuple[str, np.ndarray]], o
         linear = modules.get(path)
         if not isinstance(linear, nn.Linear):
             raise ConfigError(f"dtype 'kquant': {origin} has blocks for {path}, not a linear layer")
-        probe = KQuantLinear.from_gguf(kind, data[:2], linear.in_features).exact_weight()
-        if not torch.equal(probe, linear.weight.detach()[:2].float()):
+        rows = np.unique(np.linspace(0, len(data) - 1, 4).astype(int))
+        probe = KQuantLinear.from_gguf(kind, data[rows], linear.in_features).exact_weight()
+        if not torch.equal(probe, linear.weight.detach()[rows].float()):
             raise ConfigError(
                 f"{origin}'s blocks for {path} do not hold the checkpoint's weight as it lays "
-                "it out (llama-architecture files permute q/k rows); dtype 'kquant' supports "
-                "the qwen2 family so far: use --dtype gguf or int8-dynamic"
+                "it out (a row order this reader does not know); use --dtype float32, gguf "
+                "or int8-dynamic"
             )
         setattr(linear, ATTACHED, (kind, data))
     missing = [
@@ -280,7 +426,7 @@ def attach_blocks(model: nn.Module, blocks: dict[str, tuple[str, np.ndarray]], o
     ]
     if missing:
         raise ConfigError(
-            f"dtype 'kquant': no Q4_K/Q6_K tensor in {origin} for {missing[0]} "
+            f"dtype 'kquant': no quantised tensor in {origin} for {missing[0]} "
             f"(and {len(missing) - 1} more); use --dtype gguf or int8-dynamic"
         )
     return len(blocks)

@@ -424,12 +424,12 @@ SCHEMES: dict[str, LowBitScheme] = {
         ),
         LowBitScheme(
             "kquant",
-            "the GGUF file's own Q4_K/Q6_K blocks, int8 activation blocks, specdec's small-row "
-            "kernel",
+            "the GGUF file's own quantised blocks, int8 activations, specdec's kernel; output "
+            "lossless with respect to these numerics",
             _kquant_linear,
-            k_multiple=256,
+            k_multiple=32,
             hint="Use int8-dynamic, which takes any shape.",
-            kernels="specdec's Q4_K/Q6_K CPU kernel (compiled on first use)",
+            kernels="specdec's quantised-block CPU kernel (compiled on first use)",
             requires=_require_kquant,
             after_swap=_kquant_lean_layers,
         ),

@@ -1,4 +1,4 @@
-// Small-row GEMM over a GGUF file's own Q4_K / Q6_K blocks, for verifying drafted tokens.
+// Small-row GEMM over a GGUF file's own quantised blocks, for verifying drafted tokens.
 //
 // Why this exists: llama.cpp's CPU kernels decode one token at memory speed but are bound by
 // arithmetic from two rows on (on two Zen 4 cores T(2) = 1.62 T(1), T(8) = 5.65 T(1)), so
@@ -17,8 +17,9 @@
 // the dot products: the same bits, tested); a portable loop with the same integer arithmetic.
 //
 // Numerics (the same for every row count, so speculation stays lossless):
-// - activations: per row, per 256-block, rounded to int8 with scale amax / 127 (llama.cpp's
-//   Q8_K rule), plus the block's sums per 16 inputs for the affine "min" term;
+// - activations: per row, per 32 inputs, rounded to int8 with scale amax / 127 (llama.cpp's
+//   Q8_0 rule; per 256 inputs, its Q8_K rule, lost 0.04 nats a token on the bundled 135M
+//   model), plus the sums per 16 inputs for the affine "min" term;
 // - weights: the file's codes and 6-bit sub-block scales as integers, exactly; d and dmin as
 //   fp32 (exact: they are fp16 in the file);
 // - per super-block, the integer dot products are exact (int32); each row accumulates
@@ -36,28 +37,29 @@
 namespace {
 
 constexpr int QK = 256;  // weights per super-block
+constexpr int QA = 32;   // inputs per activation scale
 constexpr int MAX_ROWS = 8;
 constexpr int64_t PF_BLOCKS = 8;  // software prefetch distance, in super-blocks
 
-// Per row and 256-block: int8 codes, fp32 scale, int16 sums of 16 codes. Rounding is to
+// Per row and 32 inputs: int8 codes, fp32 scale, int16 sums of 16 codes. Rounding is to
 // nearest even (the default mode) in both paths, so they give the same codes.
 // An all-zero block: scale 0, codes and sums 0 (no division by amax).
 inline void zero_block(int8_t* qb, float* d, int16_t* sb) {
   *d = 0.f;
-  std::memset(qb, 0, QK);
-  std::memset(sb, 0, 16 * sizeof(int16_t));
+  std::memset(qb, 0, QA);
+  std::memset(sb, 0, QA / 16 * sizeof(int16_t));
 }
 
 void quantize_block_scalar(const float* xb, int8_t* qb, float* d, int16_t* sb) {
   float amax = 0.f;
-  for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(xb[i]));
+  for (int i = 0; i < QA; ++i) amax = std::max(amax, std::fabs(xb[i]));
   if (amax == 0.f) return zero_block(qb, d, sb);
   const float iscale = 127.f / amax;
-  for (int i = 0; i < QK; ++i) {
+  for (int i = 0; i < QA; ++i) {
     int v = static_cast<int>(std::nearbyint(xb[i] * iscale));
     qb[i] = static_cast<int8_t>(std::min(127, std::max(-127, v)));
   }
-  for (int h = 0; h < 16; ++h) {
+  for (int h = 0; h < QA / 16; ++h) {
     int s = 0;
     for (int i = 0; i < 16; ++i) s += qb[h * 16 + i];
     sb[h] = static_cast<int16_t>(s);
@@ -69,20 +71,20 @@ void quantize_block_scalar(const float* xb, int8_t* qb, float* d, int16_t* sb) {
 
 KQ_TARGET void quantize_block_avx512(const float* xb, int8_t* qb, float* d, int16_t* sb) {
   __m512 vmax = _mm512_setzero_ps();
-  for (int i = 0; i < QK; i += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(xb + i)));
+  for (int i = 0; i < QA; i += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(xb + i)));
   const float amax = _mm512_reduce_max_ps(vmax);
   if (amax == 0.f) return zero_block(qb, d, sb);
   const float iscale = 127.f / amax;
   const __m512 vs = _mm512_set1_ps(iscale);
-  alignas(64) int32_t sums[16];
-  for (int h = 0; h < 16; ++h) {
+  alignas(64) int32_t sums[QA / 16];
+  for (int h = 0; h < QA / 16; ++h) {
     // |x * iscale| <= 127 up to rounding of the product; clamp as the scalar path does
     __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + 16 * h), vs));
     v = _mm512_max_epi32(_mm512_min_epi32(v, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16 * h), _mm512_cvtepi32_epi8(v));
     sums[h] = _mm512_reduce_add_epi32(v);
   }
-  for (int h = 0; h < 16; ++h) sb[h] = static_cast<int16_t>(sums[h]);
+  for (int h = 0; h < QA / 16; ++h) sb[h] = static_cast<int16_t>(sums[h]);
   *d = 1.f / iscale;
 }
 
@@ -94,13 +96,15 @@ inline void to_lanes(const int8_t* natural, int8_t* lanes) {
 
 bool have_avx512();
 
-// Also ``u`` = da * (sum of 16 codes) per 16-group: the factor of the "min" term, so the
-// kernel pays one multiply-add per row and block for it.
 void quantize_block_avx2(const float* xb, int8_t* qb, float* d, int16_t* sb);
 
 // The kernels, fastest first; each machine uses the best it has, unless a test asks.
 enum Path : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 
+// Per row: the codes in the lane layout, each 16-input group's activation scale ``d`` (its
+// 32-input block's, stored twice so the kernel loads one lane's worth with one instruction) and
+// ``u`` = d * (sum of its 16 codes), the factor of the "min" term, so the kernel pays one
+// multiply-add per row and block for it.
 void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* q, float* d, int16_t* bs,
                    float* u, int path) {
   const int64_t nb = k / QK;
@@ -108,32 +112,54 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* q, float* d,
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t off = r * k + b * QK;
-      if (path == kAvx512)
-        quantize_block_avx512(x + off, natural, d + r * nb + b, bs + r * (k / 16) + b * 16);
-      else if (path == kAvx2)
-        quantize_block_avx2(x + off, natural, d + r * nb + b, bs + r * (k / 16) + b * 16);
-      else
-        quantize_block_scalar(x + off, natural, d + r * nb + b, bs + r * (k / 16) + b * 16);
-      to_lanes(natural, q + off);
       const int64_t g = r * (k / 16) + b * 16;
-      for (int h = 0; h < 16; ++h) u[g + h] = d[r * nb + b] * static_cast<float>(bs[g + h]);
+      for (int j = 0; j < QK / QA; ++j) {
+        float dj = 0.f;
+        const float* xj = x + off + j * QA;
+        int16_t* sj = bs + g + j * (QA / 16);
+        if (path == kAvx512) quantize_block_avx512(xj, natural + j * QA, &dj, sj);
+        else if (path == kAvx2) quantize_block_avx2(xj, natural + j * QA, &dj, sj);
+        else quantize_block_scalar(xj, natural + j * QA, &dj, sj);
+        for (int h = 0; h < QA / 16; ++h) d[g + j * (QA / 16) + h] = dj;
+      }
+      to_lanes(natural, q + off);
+      for (int h = 0; h < 16; ++h) u[g + h] = d[g + h] * static_cast<float>(bs[g + h]);
     }
 }
 
+// Weight formats. Q4_K, Q6_K and Q5_K are the file's super-blocks (codes repacked into the lane
+// layout, scales as integers); the "lane-scaled" kinds carry one fp16 scale d and one fp16
+// offset m per 32 weights, w = d * code + m, which holds the 32-weight GGUF blocks exactly
+// (Q4_0: code q, m = -8 d; Q4_1: q and its m; Q5_0/Q5_1 likewise with 5-bit codes; Q8_0: q + 128,
+// m = -128 d; the offsets are powers of two times d, so exact in fp16).
+enum Kind : int {
+  kQ4K = 0,  // 4-bit codes, meta sc[8], m[8] (u8), fp16 d and dmin per block
+  kQ6K = 1,  // 6-bit codes, meta int8 sc[16], fp16 d
+  kQ5K = 2,  // 5-bit codes in the 6-bit layout, meta as Q4_K
+  kL4 = 3,   // 4-bit codes, meta fp16 d[8], m[8] per 256-block (32 bytes)
+  kL5 = 4,   // 5-bit codes in the 6-bit layout, meta as kL4
+  kL8 = 5,   // 8-bit codes (unsigned), meta as kL4
+};
+constexpr int kLastKind = kL8;
+constexpr bool high_bits(int K) { return K == kQ6K || K == kQ5K || K == kL5; }
+constexpr int64_t code_stride(int K) { return K == kL8 ? 256 : high_bits(K) ? 192 : 128; }
+constexpr int64_t meta_stride(int K) { return K >= kL4 ? 32 : 16; }
+constexpr bool lane_scaled(int K) { return K >= kL4; }
+
 struct Weights {
-  // Q4: [N, nb, 128]: byte i of half L holds weights L*128 + i (low nibble), L*128 + 64 + i.
-  // Q6: [N, nb, 192]: the same 128 nibble bytes for the low 4 bits, then 64 bytes whose bits
-  // 2s, 2s + 1 of byte i are the high 2 bits of weight 64 s + i.
+  // 4-bit: [N, nb, 128]: registers 0, 1 are the low and high nibbles of bytes 0-63, 2, 3 those
+  // of bytes 64-127. 6-bit layout: the same 128 nibble bytes, then 64 bytes whose bits 2c,
+  // 2c + 1 hold register c's high 2 bits. 8-bit: [N, nb, 256], register c at byte 64 c.
   const uint8_t* codes;
-  const uint8_t* meta;   // Q4: [N, nb, 16] sc[8], m[8]; Q6: [N, nb, 16] int8 scales
-  const uint16_t* d;     // [N, nb] fp16, as in the file
-  const uint16_t* dmin;  // [N, nb] fp16 (Q4 only)
+  const uint8_t* meta;   // [N, nb, meta_stride]
+  const uint16_t* d;     // [N, nb] fp16, as in the file (K-quants)
+  const uint16_t* dmin;  // [N, nb] fp16 (Q4_K, Q5_K)
   int64_t nb;
 };
 
 struct Acts {
   const int8_t* q;
-  const float* d;
+  const float* d;  // per 16 inputs (each 32-input block's scale twice)
   const int16_t* bs;
   const float* u;  // da * bs
   int64_t k;
@@ -161,9 +187,19 @@ inline float half_to_float(uint16_t h) {
   return f;
 }
 
-// Portable reference with the same integer arithmetic, for CPUs without AVX-512 (slow; its
-// float accumulation order differs from the SIMD path, so one machine always uses one path).
-template <bool Q6>
+// One code of a block in the lane layout: register c, byte j (= 4 l + i).
+template <int K>
+inline int code_at(const uint8_t* codes, int c, int j) {
+  if (K == kL8) return codes[64 * c + j];
+  const uint8_t byte = codes[(c / 2) * 64 + j];
+  int code = (c % 2) ? (byte >> 4) : (byte & 15);
+  if (high_bits(K)) code |= ((codes[128 + j] >> (2 * c)) & 3) << 4;
+  return code;
+}
+
+// Portable reference with the same integer arithmetic, for CPUs without AVX2 (slow; its
+// float accumulation order differs from the SIMD paths, so one machine always uses one path).
+template <int K>
 void rows_scalar(const Weights& w, const Acts& a, int64_t rows, int64_t n0, int64_t n1, float* y,
                  int64_t n_out) {
   const int64_t nb = w.nb;
@@ -172,31 +208,28 @@ void rows_scalar(const Weights& w, const Acts& a, int64_t rows, int64_t n0, int6
       float sum = 0.f, msum = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
         const int64_t blk = n * nb + b;
-        const uint8_t* meta = w.meta + blk * 16;
+        const uint8_t* meta = w.meta + blk * meta_stride(K);
         const int8_t* qa = a.q + r * a.k + b * QK;
         const int16_t* bs = a.bs + r * (a.k / 16) + b * 16;
-        const int64_t stride = Q6 ? 192 : 128;
-        const uint8_t* codes = w.codes + blk * stride;
-        int32_t isum = 0, mm = 0;
+        const uint8_t* codes = w.codes + blk * code_stride(K);
+        const float* da = a.d + r * (a.k / 16) + b * 16;  // per 16 inputs
+        const float dw = lane_scaled(K) ? 0.f : half_to_float(w.d[blk]);
+        const float dm = K == kQ6K ? dw : lane_scaled(K) ? 0.f : half_to_float(w.dmin[blk]);
         for (int l = 0; l < 16; ++l) {
           int32_t dot = 0;
           for (int c = 0; c < 4; ++c)
-            for (int i = 0; i < 4; ++i) {
-              const int j = 4 * l + i;
-              const uint8_t byte = codes[(c / 2) * 64 + j];
-              int code = (c % 2) ? (byte >> 4) : (byte & 15);
-              if (Q6) code |= ((codes[128 + j] >> (2 * c)) & 3) << 4;
-              dot += code * qa[64 * c + j];
-            }
-          const int sc = Q6 ? static_cast<int8_t>(meta[l]) : meta[l / 2];
-          const int m = Q6 ? 32 * static_cast<int8_t>(meta[l]) : meta[8 + l / 2];
-          isum += sc * dot;
-          mm += m * bs[l];
+            for (int i = 0; i < 4; ++i) dot += code_at<K>(codes, c, 4 * l + i) * qa[64 * c + 4 * l + i];
+          if (lane_scaled(K)) {
+            const uint16_t* h = reinterpret_cast<const uint16_t*>(meta);
+            sum += static_cast<float>(dot) * (half_to_float(h[l / 2]) * da[l]);
+            msum -= static_cast<float>(bs[l]) * (half_to_float(h[8 + l / 2]) * da[l]);
+            continue;
+          }
+          const int sc = K == kQ6K ? static_cast<int8_t>(meta[l]) : meta[l / 2];
+          const int m = K == kQ6K ? 32 * static_cast<int8_t>(meta[l]) : meta[8 + l / 2];
+          sum += static_cast<float>(sc * dot) * (dw * da[l]);
+          msum += static_cast<float>(m * bs[l]) * (dm * da[l]);
         }
-        const float da = a.d[r * nb + b];
-        const float dw = half_to_float(w.d[blk]);
-        sum += static_cast<float>(isum) * (dw * da);
-        msum += static_cast<float>(mm) * ((Q6 ? dw : half_to_float(w.dmin[blk])) * da);
       }
       y[r * n_out + n] = sum - msum;
     }
@@ -207,17 +240,14 @@ KQ_TARGET inline float hsum512(__m512 v) { return _mm512_reduce_add_ps(v); }
 
 // The hardware prefetcher alone left the 1-2 row passes short of memory speed: fetch the codes
 // a few blocks ahead (the blocks of one output channel are contiguous).
-template <bool Q6>
+template <int K>
 inline void prefetch_ahead(const Weights& w, int64_t blk) {
-  const int64_t stride = Q6 ? 192 : 128;
-  const char* ahead = reinterpret_cast<const char*>(w.codes + (blk + PF_BLOCKS) * stride);
-  _mm_prefetch(ahead, _MM_HINT_T0);
-  _mm_prefetch(ahead + 64, _MM_HINT_T0);
-  if (Q6) _mm_prefetch(ahead + 128, _MM_HINT_T0);
+  const char* ahead = reinterpret_cast<const char*>(w.codes + (blk + PF_BLOCKS) * code_stride(K));
+  for (int64_t off = 0; off < code_stride(K); off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
 }
 
 // R rows (1..8) against output channels [n0, n1): every super-block is unpacked once.
-template <int R, bool Q6>
+template <int R, int K>
 KQ_TARGET void rows_avx512(const Weights& w, const Acts& a, int64_t n0, int64_t n1, float* y,
                            int64_t n_out) {
   const int64_t nb = w.nb;
@@ -230,15 +260,23 @@ KQ_TARGET void rows_avx512(const Weights& w, const Acts& a, int64_t n0, int64_t 
     for (int r = 0; r < R; ++r) facc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t blk = n * nb + b;
-      prefetch_ahead<Q6>(w, blk);
-      const uint8_t* p = w.codes + blk * (Q6 ? 192 : 128);
-      const __m512i v0 = _mm512_loadu_si512(p);
-      const __m512i v1 = _mm512_loadu_si512(p + 64);
-      __m512i c0 = _mm512_and_si512(v0, low4);
-      __m512i c1 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low4);
-      __m512i c2 = _mm512_and_si512(v1, low4);
-      __m512i c3 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low4);
-      if (Q6) {
+      prefetch_ahead<K>(w, blk);
+      const uint8_t* p = w.codes + blk * code_stride(K);
+      __m512i c0, c1, c2, c3;
+      if (K == kL8) {
+        c0 = _mm512_loadu_si512(p);
+        c1 = _mm512_loadu_si512(p + 64);
+        c2 = _mm512_loadu_si512(p + 128);
+        c3 = _mm512_loadu_si512(p + 192);
+      } else {
+        const __m512i v0 = _mm512_loadu_si512(p);
+        const __m512i v1 = _mm512_loadu_si512(p + 64);
+        c0 = _mm512_and_si512(v0, low4);
+        c1 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low4);
+        c2 = _mm512_and_si512(v1, low4);
+        c3 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low4);
+      }
+      if (high_bits(K)) {
         const __m512i hb = _mm512_loadu_si512(p + 128);
         const __m512i two = _mm512_set1_epi8(0x30);
         c0 = _mm512_or_si512(c0, _mm512_and_si512(_mm512_slli_epi16(hb, 4), two));
@@ -246,21 +284,30 @@ KQ_TARGET void rows_avx512(const Weights& w, const Acts& a, int64_t n0, int64_t 
         c2 = _mm512_or_si512(c2, _mm512_and_si512(hb, two));
         c3 = _mm512_or_si512(c3, _mm512_and_si512(_mm512_srli_epi16(hb, 2), two));
       }
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.meta + blk * 16));
-      __m512i sc_lanes, m_lanes;
-      if (Q6) {
-        sc_lanes = _mm512_cvtepi8_epi32(raw);
-        m_lanes = _mm512_slli_epi32(sc_lanes, 5);  // 32 * sc: the codes' offset
+      // per block, for every row: the scale of each lane's sum, and the factor of its "min"
+      // term (multiplied by da * the lane's activation sum)
+      __m512 dsc, vmin;
+      if (lane_scaled(K)) {
+        const __m512 both = _mm512_cvtph_ps(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.meta + blk * 32)));
+        dsc = _mm512_permutexvar_ps(idx_sc, both);
+        vmin = _mm512_permutexvar_ps(idx_m, both);
       } else {
-        const __m512i both = _mm512_cvtepu8_epi32(raw);  // sc[0..7], m[0..7]
-        sc_lanes = _mm512_permutexvar_epi32(idx_sc, both);
-        m_lanes = _mm512_permutexvar_epi32(idx_m, both);
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.meta + blk * 16));
+        __m512i sc_lanes, m_lanes;
+        if (K == kQ6K) {
+          sc_lanes = _mm512_cvtepi8_epi32(raw);
+          m_lanes = _mm512_slli_epi32(sc_lanes, 5);  // 32 * sc: the codes' offset
+        } else {
+          const __m512i both = _mm512_cvtepu8_epi32(raw);  // sc[0..7], m[0..7]
+          sc_lanes = _mm512_permutexvar_epi32(idx_sc, both);
+          m_lanes = _mm512_permutexvar_epi32(idx_m, both);
+        }
+        const float dw = _cvtsh_ss(w.d[blk]);
+        const float dm = K == kQ6K ? dw : _cvtsh_ss(w.dmin[blk]);
+        dsc = _mm512_mul_ps(_mm512_cvtepi32_ps(sc_lanes), _mm512_set1_ps(dw));
+        vmin = _mm512_mul_ps(_mm512_cvtepi32_ps(m_lanes), _mm512_set1_ps(-dm));
       }
-      const float dw = _cvtsh_ss(w.d[blk]);
-      const float dm = Q6 ? dw : _cvtsh_ss(w.dmin[blk]);
-      // per block, for every row: d * sc per lane, and -dmin * m per lane
-      const __m512 dsc = _mm512_mul_ps(_mm512_cvtepi32_ps(sc_lanes), _mm512_set1_ps(dw));
-      const __m512 vmin = _mm512_mul_ps(_mm512_cvtepi32_ps(m_lanes), _mm512_set1_ps(-dm));
       for (int r = 0; r < R; ++r) {
         const int8_t* qa = a.q + r * a.k + b * QK;
         __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c0, _mm512_loadu_si512(qa));
@@ -268,7 +315,7 @@ KQ_TARGET void rows_avx512(const Weights& w, const Acts& a, int64_t n0, int64_t 
         acc = _mm512_dpbusd_epi32(acc, c2, _mm512_loadu_si512(qa + 128));
         acc = _mm512_dpbusd_epi32(acc, c3, _mm512_loadu_si512(qa + 192));
         const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(acc), dsc);
-        facc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(a.d[r * nb + b]), facc[r]);
+        facc[r] = _mm512_fmadd_ps(t, _mm512_loadu_ps(a.d + r * (a.k / 16) + b * 16), facc[r]);
         const __m512 u = _mm512_loadu_ps(a.u + r * (a.k / 16) + b * 16);
         facc[r] = _mm512_fmadd_ps(u, vmin, facc[r]);
       }
@@ -284,7 +331,7 @@ KQ_TARGET void rows_avx512(const Weights& w, const Acts& a, int64_t n0, int64_t 
 KQ_AVX2 void quantize_block_avx2(const float* xb, int8_t* qb, float* d, int16_t* sb) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 vmax = _mm256_setzero_ps();
-  for (int i = 0; i < QK; i += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)));
+  for (int i = 0; i < QA; i += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)));
   alignas(32) float m8[8];
   _mm256_store_ps(m8, vmax);
   float amax = 0.f;
@@ -294,7 +341,7 @@ KQ_AVX2 void quantize_block_avx2(const float* xb, int8_t* qb, float* d, int16_t*
   const __m256 vs = _mm256_set1_ps(iscale);
   const __m256i hi = _mm256_set1_epi32(127), lo = _mm256_set1_epi32(-127);
   alignas(32) int32_t v8[8];
-  for (int h = 0; h < 16; ++h) {
+  for (int h = 0; h < QA / 16; ++h) {
     int s = 0;
     for (int half = 0; half < 2; ++half) {
       const int off = 16 * h + 8 * half;
@@ -312,68 +359,113 @@ KQ_AVX2 void quantize_block_avx2(const float* xb, int8_t* qb, float* d, int16_t*
 }
 
 // The AVX-512 kernel's lanes split in two 256-bit halves (lanes 0-7, 8-15): the same layout,
-// the same exact integer dot products (maddubs pairs then madd; Q4's four 16-bit partial sums
-// stay below 2 * 4 * 15 * 127 and Q6's two below 2 * 2 * 63 * 127, so nothing saturates), the
+// the same exact integer dot products (maddubs pairs then madd; 4-bit codes' four 16-bit
+// partial sums stay below 2 * 4 * 15 * 127 and 6-bit layouts' two below 2 * 2 * 63 * 127, so
+// nothing saturates; 8-bit codes, whose pairs could, go as 2 * (code >> 1) + (code & 1)), the
 // same per-lane float accumulation, and the final sum adds the halves first, as the AVX-512
 // reduction does.
-template <int R, bool Q6>
+template <int R, int K>
 KQ_AVX2 void rows_avx2(const Weights& w, const Acts& a, int64_t n0, int64_t n1, float* y,
                        int64_t n_out) {
   const int64_t nb = w.nb;
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256i idx_sc = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+  const __m256i idx_hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
   for (int64_t n = n0; n < n1; ++n) {
     __m256 facc[R][2];
     for (int r = 0; r < R; ++r) facc[r][0] = facc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t blk = n * nb + b;
-      prefetch_ahead<Q6>(w, blk);
-      const uint8_t* p = w.codes + blk * (Q6 ? 192 : 128);
-      const uint8_t* meta = w.meta + blk * 16;
-      const float dw = _cvtsh_ss(w.d[blk]);
-      const float dm = Q6 ? dw : _cvtsh_ss(w.dmin[blk]);
+      prefetch_ahead<K>(w, blk);
+      const uint8_t* p = w.codes + blk * code_stride(K);
+      const uint8_t* meta = w.meta + blk * meta_stride(K);
+      __m256 ld8 = _mm256_setzero_ps(), lm8 = _mm256_setzero_ps();
+      float dw = 0.f, dm = 0.f;
+      if (lane_scaled(K)) {
+        ld8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta)));
+        lm8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 16)));
+      } else {
+        dw = _cvtsh_ss(w.d[blk]);
+        dm = K == kQ6K ? dw : _cvtsh_ss(w.dmin[blk]);
+      }
       for (int half = 0; half < 2; ++half) {
         const int o = 32 * half;  // byte offset of this half within each 64-byte register
-        const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + o));
-        const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 + o));
-        __m256i c0 = _mm256_and_si256(v0, low4);
-        __m256i c1 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
-        __m256i c2 = _mm256_and_si256(v1, low4);
-        __m256i c3 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
-        __m256i sc_lanes, m_lanes;
-        if (Q6) {
+        __m256i c0, c1, c2, c3;
+        if (K == kL8) {
+          c0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + o));
+          c1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 + o));
+          c2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + o));
+          c3 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 192 + o));
+        } else {
+          const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + o));
+          const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 + o));
+          c0 = _mm256_and_si256(v0, low4);
+          c1 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
+          c2 = _mm256_and_si256(v1, low4);
+          c3 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
+        }
+        if (high_bits(K)) {
           const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + o));
           const __m256i two = _mm256_set1_epi8(0x30);
           c0 = _mm256_or_si256(c0, _mm256_and_si256(_mm256_slli_epi16(hb, 4), two));
           c1 = _mm256_or_si256(c1, _mm256_and_si256(_mm256_slli_epi16(hb, 2), two));
           c2 = _mm256_or_si256(c2, _mm256_and_si256(hb, two));
           c3 = _mm256_or_si256(c3, _mm256_and_si256(_mm256_srli_epi16(hb, 2), two));
-          sc_lanes = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta + 8 * half)));
-          m_lanes = _mm256_slli_epi32(sc_lanes, 5);
-        } else {
-          const __m256i sc8 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta + 4 * half)));
-          const __m256i m8 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta + 8 + 4 * half)));
-          sc_lanes = _mm256_permutevar8x32_epi32(sc8, idx_sc);
-          m_lanes = _mm256_permutevar8x32_epi32(m8, idx_sc);
         }
-        const __m256 dsc = _mm256_mul_ps(_mm256_cvtepi32_ps(sc_lanes), _mm256_set1_ps(dw));
-        const __m256 vmin = _mm256_mul_ps(_mm256_cvtepi32_ps(m_lanes), _mm256_set1_ps(-dm));
+        __m256 dsc, vmin;
+        if (lane_scaled(K)) {
+          const __m256i idx = half ? idx_hi : idx_sc;
+          dsc = _mm256_permutevar8x32_ps(ld8, idx);
+          vmin = _mm256_permutevar8x32_ps(lm8, idx);
+        } else {
+          __m256i sc_lanes, m_lanes;
+          if (K == kQ6K) {
+            sc_lanes = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta + 8 * half)));
+            m_lanes = _mm256_slli_epi32(sc_lanes, 5);
+          } else {
+            const __m256i sc8 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta + 4 * half)));
+            const __m256i m8 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta + 8 + 4 * half)));
+            sc_lanes = _mm256_permutevar8x32_epi32(sc8, idx_sc);
+            m_lanes = _mm256_permutevar8x32_epi32(m8, idx_sc);
+          }
+          dsc = _mm256_mul_ps(_mm256_cvtepi32_ps(sc_lanes), _mm256_set1_ps(dw));
+          vmin = _mm256_mul_ps(_mm256_cvtepi32_ps(m_lanes), _mm256_set1_ps(-dm));
+        }
         for (int r = 0; r < R; ++r) {
           const int8_t* qa = a.q + r * a.k + b * QK + o;
-          const __m256i p0 = _mm256_maddubs_epi16(c0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qa)));
-          const __m256i p1 = _mm256_maddubs_epi16(c1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qa + 64)));
-          const __m256i p2 = _mm256_maddubs_epi16(c2, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qa + 128)));
-          const __m256i p3 = _mm256_maddubs_epi16(c3, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qa + 192)));
+          const __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qa));
+          const __m256i a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qa + 64));
+          const __m256i a2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qa + 128));
+          const __m256i a3 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qa + 192));
           __m256i acc;
-          if (Q6) {
-            acc = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones),
-                                   _mm256_madd_epi16(_mm256_add_epi16(p2, p3), ones));
+          if (K == kL8) {
+            const __m256i seven = _mm256_set1_epi8(0x7F), one = _mm256_set1_epi8(1);
+            __m256i hi = _mm256_setzero_si256(), lo = _mm256_setzero_si256();
+            const __m256i cs[4] = {c0, c1, c2, c3};
+            const __m256i as[4] = {a0, a1, a2, a3};
+            for (int c = 0; c < 4; ++c) {
+              const __m256i h7 = _mm256_and_si256(_mm256_srli_epi16(cs[c], 1), seven);
+              const __m256i l1 = _mm256_and_si256(cs[c], one);
+              hi = _mm256_add_epi32(hi, _mm256_madd_epi16(_mm256_maddubs_epi16(h7, as[c]), ones));
+              lo = _mm256_add_epi32(lo, _mm256_madd_epi16(_mm256_maddubs_epi16(l1, as[c]), ones));
+            }
+            acc = _mm256_add_epi32(_mm256_slli_epi32(hi, 1), lo);
           } else {
-            acc = _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p0, p1), _mm256_add_epi16(p2, p3)), ones);
+            const __m256i p0 = _mm256_maddubs_epi16(c0, a0);
+            const __m256i p1 = _mm256_maddubs_epi16(c1, a1);
+            const __m256i p2 = _mm256_maddubs_epi16(c2, a2);
+            const __m256i p3 = _mm256_maddubs_epi16(c3, a3);
+            if (high_bits(K)) {
+              acc = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones),
+                                     _mm256_madd_epi16(_mm256_add_epi16(p2, p3), ones));
+            } else {
+              acc = _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p0, p1), _mm256_add_epi16(p2, p3)), ones);
+            }
           }
           const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(acc), dsc);
-          facc[r][half] = _mm256_fmadd_ps(t, _mm256_set1_ps(a.d[r * nb + b]), facc[r][half]);
+          facc[r][half] = _mm256_fmadd_ps(
+              t, _mm256_loadu_ps(a.d + r * (a.k / 16) + b * 16 + 8 * half), facc[r][half]);
           const __m256 u = _mm256_loadu_ps(a.u + r * (a.k / 16) + b * 16 + 8 * half);
           facc[r][half] = _mm256_fmadd_ps(u, vmin, facc[r][half]);
         }
@@ -390,31 +482,50 @@ KQ_AVX2 void rows_avx2(const Weights& w, const Acts& a, int64_t n0, int64_t n1, 
 }
 
 // One entry per kernel family, so a row count picks its unrolled instance in one place.
-template <int R, bool Q6>
+template <int R, int K>
 struct Avx512Rows {
   static void run(const Weights& w, const Acts& a, int64_t n0, int64_t n1, float* y, int64_t n) {
-    rows_avx512<R, Q6>(w, a, n0, n1, y, n);
+    rows_avx512<R, K>(w, a, n0, n1, y, n);
   }
 };
-template <int R, bool Q6>
+template <int R, int K>
 struct Avx2Rows {
   static void run(const Weights& w, const Acts& a, int64_t n0, int64_t n1, float* y, int64_t n) {
-    rows_avx2<R, Q6>(w, a, n0, n1, y, n);
+    rows_avx2<R, K>(w, a, n0, n1, y, n);
+  }
+};
+template <int R, int K>
+struct ScalarRows {
+  static void run(const Weights& w, const Acts& a, int64_t n0, int64_t n1, float* y, int64_t n) {
+    rows_scalar<K>(w, a, R, n0, n1, y, n);
   }
 };
 
-template <template <int, bool> class K, bool Q6>
+template <template <int, int> class F, int K>
 void dispatch_rows(const Weights& w, const Acts& a, int rows, int64_t n0, int64_t n1, float* y,
                    int64_t n_out) {
   switch (rows) {
-    case 1: K<1, Q6>::run(w, a, n0, n1, y, n_out); break;
-    case 2: K<2, Q6>::run(w, a, n0, n1, y, n_out); break;
-    case 3: K<3, Q6>::run(w, a, n0, n1, y, n_out); break;
-    case 4: K<4, Q6>::run(w, a, n0, n1, y, n_out); break;
-    case 5: K<5, Q6>::run(w, a, n0, n1, y, n_out); break;
-    case 6: K<6, Q6>::run(w, a, n0, n1, y, n_out); break;
-    case 7: K<7, Q6>::run(w, a, n0, n1, y, n_out); break;
-    default: K<8, Q6>::run(w, a, n0, n1, y, n_out); break;
+    case 1: F<1, K>::run(w, a, n0, n1, y, n_out); break;
+    case 2: F<2, K>::run(w, a, n0, n1, y, n_out); break;
+    case 3: F<3, K>::run(w, a, n0, n1, y, n_out); break;
+    case 4: F<4, K>::run(w, a, n0, n1, y, n_out); break;
+    case 5: F<5, K>::run(w, a, n0, n1, y, n_out); break;
+    case 6: F<6, K>::run(w, a, n0, n1, y, n_out); break;
+    case 7: F<7, K>::run(w, a, n0, n1, y, n_out); break;
+    default: F<8, K>::run(w, a, n0, n1, y, n_out); break;
+  }
+}
+
+template <template <int, int> class F>
+void dispatch_kind(int kind, const Weights& w, const Acts& a, int rows, int64_t n0, int64_t n1,
+                   float* y, int64_t n_out) {
+  switch (kind) {
+    case kQ4K: dispatch_rows<F, kQ4K>(w, a, rows, n0, n1, y, n_out); break;
+    case kQ6K: dispatch_rows<F, kQ6K>(w, a, rows, n0, n1, y, n_out); break;
+    case kQ5K: dispatch_rows<F, kQ5K>(w, a, rows, n0, n1, y, n_out); break;
+    case kL4: dispatch_rows<F, kL4>(w, a, rows, n0, n1, y, n_out); break;
+    case kL5: dispatch_rows<F, kL5>(w, a, rows, n0, n1, y, n_out); break;
+    default: dispatch_rows<F, kL8>(w, a, rows, n0, n1, y, n_out); break;
   }
 }
 
@@ -441,16 +552,31 @@ std::string path_name() {
 }
 
 torch::Tensor kquant_mm_on(torch::Tensor x, torch::Tensor codes, torch::Tensor meta,
-                           torch::Tensor d, torch::Tensor dmin, bool q6, int path) {
+                           torch::Tensor d, torch::Tensor dmin, int64_t kind, int path) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [rows, K] float32");
+  TORCH_CHECK(kind >= 0 && kind <= kLastKind, "unknown weight kind ", kind);
   x = x.contiguous();
   const int64_t rows = x.size(0), k = x.size(1);
   TORCH_CHECK(k % QK == 0, "in_features must be a multiple of 256");
   const int64_t nb = k / QK;
-  const int64_t n_out = d.size(0);
-  TORCH_CHECK(d.size(1) == nb, "weights and input disagree on in_features");
+  const int64_t n_out = codes.size(0);
+  const int K = static_cast<int>(kind);
+  TORCH_CHECK(codes.dim() == 2 && codes.size(1) == nb * code_stride(K),
+              "weights and input disagree on in_features");
+  TORCH_CHECK(meta.numel() == n_out * nb * meta_stride(K), "meta has the wrong size");
+  const uint16_t* dptr = nullptr;
+  const uint16_t* mptr = nullptr;
+  if (!lane_scaled(K)) {
+    TORCH_CHECK(d.scalar_type() == torch::kFloat16 && d.numel() == n_out * nb, "d must be [N, nb] float16");
+    dptr = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+    if (K != kQ6K) {
+      TORCH_CHECK(dmin.scalar_type() == torch::kFloat16 && dmin.numel() == n_out * nb,
+                  "dmin must be [N, nb] float16");
+      mptr = reinterpret_cast<const uint16_t*>(dmin.data_ptr<at::Half>());
+    }
+  }
   auto q = torch::empty({rows, k}, torch::kInt8);
-  auto da = torch::empty({rows, nb}, torch::kFloat32);
+  auto da = torch::empty({rows, k / 16}, torch::kFloat32);
   auto bs = torch::empty({rows, k / 16}, torch::kInt16);
   auto u = torch::empty({rows, k / 16}, torch::kFloat32);
   TORCH_CHECK(path >= kScalar && path <= best_path(), "kernel path ", path,
@@ -458,35 +584,25 @@ torch::Tensor kquant_mm_on(torch::Tensor x, torch::Tensor codes, torch::Tensor m
   quantize_rows(x.data_ptr<float>(), rows, k, q.data_ptr<int8_t>(), da.data_ptr<float>(),
                 bs.data_ptr<int16_t>(), u.data_ptr<float>(), path);
   auto y = torch::empty({rows, n_out}, torch::kFloat32);
-  TORCH_CHECK(d.scalar_type() == torch::kFloat16, "d must be float16");
-  const auto* dptr = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
-  const auto* mptr = q6 ? nullptr : reinterpret_cast<const uint16_t*>(dmin.data_ptr<at::Half>());
   Weights w{codes.data_ptr<uint8_t>(), meta.data_ptr<uint8_t>(), dptr, mptr, nb};
   const int64_t grain = std::max<int64_t>(16, n_out / (8 * at::get_num_threads()));
   at::parallel_for(0, n_out, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t r0 = 0; r0 < rows; r0 += MAX_ROWS) {
       const int r = static_cast<int>(std::min<int64_t>(MAX_ROWS, rows - r0));
-      Acts a{q.data_ptr<int8_t>() + r0 * k, da.data_ptr<float>() + r0 * nb,
+      Acts a{q.data_ptr<int8_t>() + r0 * k, da.data_ptr<float>() + r0 * (k / 16),
              bs.data_ptr<int16_t>() + r0 * (k / 16), u.data_ptr<float>() + r0 * (k / 16), k};
       float* yr = y.data_ptr<float>() + r0 * n_out;
-      if (path == kAvx512) {
-        if (q6) dispatch_rows<Avx512Rows, true>(w, a, r, n0, n1, yr, n_out);
-        else dispatch_rows<Avx512Rows, false>(w, a, r, n0, n1, yr, n_out);
-      } else if (path == kAvx2) {
-        if (q6) dispatch_rows<Avx2Rows, true>(w, a, r, n0, n1, yr, n_out);
-        else dispatch_rows<Avx2Rows, false>(w, a, r, n0, n1, yr, n_out);
-      } else {
-        if (q6) rows_scalar<true>(w, a, r, n0, n1, yr, n_out);
-        else rows_scalar<false>(w, a, r, n0, n1, yr, n_out);
-      }
+      if (path == kAvx512) dispatch_kind<Avx512Rows>(K, w, a, r, n0, n1, yr, n_out);
+      else if (path == kAvx2) dispatch_kind<Avx2Rows>(K, w, a, r, n0, n1, yr, n_out);
+      else dispatch_kind<ScalarRows>(K, w, a, r, n0, n1, yr, n_out);
     }
   });
   return y;
 }
 
 torch::Tensor kquant_mm(torch::Tensor x, torch::Tensor codes, torch::Tensor meta, torch::Tensor d,
-                        torch::Tensor dmin, bool q6, bool force_scalar) {
-  return kquant_mm_on(x, codes, meta, d, dmin, q6, force_scalar ? kScalar : best_path());
+                        torch::Tensor dmin, int64_t kind, bool force_scalar) {
+  return kquant_mm_on(x, codes, meta, d, dmin, kind, force_scalar ? kScalar : best_path());
 }
 
 }  // namespace
@@ -494,7 +610,7 @@ torch::Tensor kquant_mm(torch::Tensor x, torch::Tensor codes, torch::Tensor meta
 void register_layer_ops(pybind11::module& m);  // layer.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("kquant_mm", &kquant_mm, "rows x GGUF Q4_K / Q6_K weights, int8 activation blocks");
+  m.def("kquant_mm", &kquant_mm, "rows x GGUF quantised weights (kind: 0 Q4_K, 1 Q6_K, 2 Q5_K, 3-5 lane-scaled 4/5/8-bit codes), int8 activation blocks");
   m.def("kquant_mm_on", &kquant_mm_on,
         "kquant_mm on a given kernel path (0 portable, 1 AVX2, 2 AVX-512 VNNI): for tests");
   m.def("has_simd", &has_simd, "whether a SIMD path (AVX-512 VNNI or AVX2) runs on this CPU");
