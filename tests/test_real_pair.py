@@ -46,7 +46,10 @@ def test_the_default_draft_on_the_real_pair_is_lossless_and_accepted(qwen, draft
     spec = engine.generate(PROMPT, max_new_tokens=32)
     plain = engine.generate(PROMPT, max_new_tokens=32, speculate=False)
     assert spec.token_ids == plain.token_ids
-    assert spec.stats.mean_accepted > 1.5  # the 0.5B sibling agrees on most code tokens
+    # the 0.5B sibling's first drafted token is accepted most of the time on code (how many
+    # steps draft at all is the cost policy's choice, which reads measured timings)
+    drafted, accepted = spec.stats.drafted_at, spec.stats.accepted_at
+    assert drafted and drafted[0] > 0 and accepted[0] / drafted[0] > 0.5
 
 
 def test_a_draft_with_another_vocabulary_drafts_through_text_on_the_real_pair(qwen, smol_dir):

@@ -26,7 +26,9 @@ amplifies any rounding difference.
 Losslessness is unchanged: every one of these computes a row from that row alone, in the same
 order whatever the number of rows (attention over the keys the row may see, in cache order), so
 a k-row verification pass still gives each row the logits of a one-row step (tested bit for
-bit). Passes of more than ``ROWWISE_MAX_ROWS`` rows (a prompt's prefill) and batches of several
+bit). A prompt's prefill takes the same kernels, so a row's bits do not depend on the pass it
+came in either (Hugging Face ``generate`` over the same model, which prefills the whole prompt,
+then picks the tokens specdec picks after prefilling all but the last). Batches of several
 sequences take the row-wise attention path of :mod:`specdec.target.attention`, as before.
 """
 
@@ -43,7 +45,6 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from specdec.target import kquant
 from specdec.target.attention import (
     ROWWISE_ATTENTION,
-    ROWWISE_MAX_ROWS,
     rowwise_sdpa_attention,
 )
 from specdec.target.kquant import KQuantLinear
@@ -58,7 +59,7 @@ class FusedRows:
     bytes), their tensors turned into views of the stacked ones."""
 
     def __init__(self, linears: Sequence[KQuantLinear]) -> None:
-        kinds = {lin.kind for lin in linears}
+        kinds = {lin.kind_id for lin in linears}
         if len(kinds) != 1 or len({lin.in_features for lin in linears}) != 1:
             raise ValueError("fused linears need one kind and one input width")
         self.widths = [lin.out_features for lin in linears]
@@ -74,9 +75,12 @@ class FusedRows:
                     for b, w in zip(biases, self.widths, strict=True)
                 ]
             )
-        names = ("codes", "meta", "d") + (("dmin",) if linears[0].kind == "Q4_K" else ())
+        # kinds without per-block d/dmin (Q6_K's dmin, the lane-scaled kinds' both) hold empty
+        # tensors, kept as they are
+        names = tuple(n for n in ("codes", "meta", "d", "dmin") if getattr(linears[0], n).numel())
         parts = {name: torch.cat([getattr(lin, name) for lin in linears]) for name in names}
-        parts.setdefault("dmin", linears[0].dmin)  # Q6_K has none (an empty tensor)
+        for name in ("d", "dmin"):
+            parts.setdefault(name, getattr(linears[0], name))
         self.linear = KQuantLinear(linears[0].kind, parts, linears[0].in_features, bias)
         offset = 0
         for lin, width in zip(linears, self.widths, strict=True):
@@ -99,7 +103,7 @@ def fuse_runs(linears: Sequence[KQuantLinear]) -> list[FusedRows]:
     the layer in a Q4_K_M file)."""
     groups: list[list[KQuantLinear]] = []
     for lin in linears:
-        if groups and groups[-1][0].kind == lin.kind:
+        if groups and groups[-1][0].kind_id == lin.kind_id:
             groups[-1].append(lin)
         else:
             groups.append([lin])
@@ -201,7 +205,7 @@ class KQuantAttention(nn.Module):
         b, t, _ = hidden_states.shape
         cos, sin = position_embeddings
         x = hidden_states.reshape(b * t, -1).float()
-        if self.owns_attention and b == 1 and t <= ROWWISE_MAX_ROWS:
+        if self.owns_attention and b == 1:
             q, k, v = self.project(x, cos[0], sin[0])
             out = self.attend(q, k, v, attention_mask, cache)
         else:  # a prefill or a batch: HF's layout and the model's attention function
@@ -255,10 +259,10 @@ class KQuantMLP(nn.Module):
 
 
 class LeanDecoderLayer:
-    """The decoder-layer forward for one sequence's verification or decoding pass (at most
-    ``ROWWISE_MAX_ROWS`` rows): HF's order of operations (norm, attention, residual, norm, MLP,
-    residual) as direct calls, without the six module calls and the reshaping around each.
-    Anything else (a prefill, a batch) takes HF's own forward over the lean modules.
+    """The decoder-layer forward for one sequence's pass (a prefill, a verification, a decoding
+    step): HF's order of operations (norm, attention, residual, norm, MLP, residual) as direct
+    calls, without the six module calls and the reshaping around each. A batch of several
+    sequences takes HF's own forward over the lean modules.
 
     Mixed into the model's own decoder-layer class (see :func:`use_lean_layers`), so the layer
     is still an instance of it: transformers finds the layers whose outputs it records as
@@ -282,7 +286,7 @@ class LeanDecoderLayer:
         b, t, hidden = hidden_states.shape
         if cache is None:  # the name transformers is deprecating, still accepted by HF's layer
             cache = kwargs.pop("past_key_values", None)
-        lean = b == 1 and t <= ROWWISE_MAX_ROWS and self.self_attn.owns_attention
+        lean = b == 1 and self.self_attn.owns_attention
         if not lean or position_embeddings is None:
             return super().forward(  # type: ignore[misc]
                 hidden_states,
