@@ -44,7 +44,7 @@ class SpeculativeEngine(Decoder):
         gguf: str | PathLike[str] | None = None,
         speculator: str | SpeculatorOptions = "none",
         num_draft_tokens: int = 5,
-        dtype: str = "float32",
+        dtype: str = "auto",
         adaptive: bool = True,
         typical_acceptance: bool = False,
         device: str = "cpu",

@@ -148,7 +148,7 @@ def bench(
     out: Annotated[Path, typer.Option("--out", help="Output directory.")] = Path("bench-results"),
     model: ModelOpt = None,
     gguf: GgufOpt = None,
-    dtype: DtypeOpt = "float32",
+    dtype: DtypeOpt = "auto",
     device: DeviceOpt = "cpu",
     num_draft_tokens: KOpt = 5,
     threads: Annotated[

@@ -53,7 +53,7 @@ def calibrate_self(
     threads: ThreadsOpt = None,
     model: ModelOpt = None,
     gguf: GgufOpt = None,
-    dtype: DtypeOpt = "float32",
+    dtype: DtypeOpt = "auto",
 ) -> None:
     """Measure candidate drafts (greedy, paired with plain decoding) and save the fastest.
 
@@ -134,7 +134,7 @@ def calibrate_cost(
     threads: ThreadsOpt = None,
     model: ModelOpt = None,
     gguf: GgufOpt = None,
-    dtype: DtypeOpt = "float32",
+    dtype: DtypeOpt = "auto",
 ) -> None:
     """Measure the target's verification cost T(n), n = 1..64, for chains and trees, and save
     it for this model, dtype, device and CPU thread count. The adaptive draft length and

@@ -97,9 +97,11 @@ DtypeOpt = Annotated[
     str,
     typer.Option(
         "--dtype",
-        help="float32 (default, oneDNN fast path) | float32-stock | fp16-weights | bfloat16 "
+        help="auto (default: a GGUF file or pack on the CPU runs its own quantised blocks, "
+        "kquant; anything else float32) | float32 (exact fp32, oneDNN fast path) "
+        "| float32-stock | fp16-weights | bfloat16 "
         "| float64 | int8-dynamic | int8 | int4 | int4-g128 | int4-ort | kquant (CPU low-bit "
-        "weights: docs/lowbit.md; int4-ort needs the ort extra; kquant runs a Q4_K_M GGUF's "
+        "weights: docs/lowbit.md; int4-ort needs the ort extra; kquant runs a GGUF's "
         "own blocks) | gguf (the target's GGUF file run by "
         "llama.cpp on the CPU; needs the llamacpp extra).",
     ),
@@ -226,7 +228,10 @@ def load_target(
     if pin:
         say_thread_plan(threads)
     announce_conversion(model, gguf)
-    return load_model(model, gguf=gguf, dtype=dtype, device=device)
+    loaded = load_model(model, gguf=gguf, dtype=dtype, device=device)
+    if pin:
+        say_numerics(loaded)
+    return loaded
 
 
 def announce_conversion(model: Path | None, gguf: Path | None) -> None:
@@ -273,7 +278,7 @@ def load_engine(
     options = parse_spec(speculator)
     say_thread_plan(threads)
     announce_conversion(model, gguf)
-    return SpeculativeEngine.from_pretrained(
+    engine = SpeculativeEngine.from_pretrained(
         model,
         gguf=gguf,
         speculator=options,
@@ -284,6 +289,19 @@ def load_engine(
         device=device,
         chat_template=chat_template,
     )
+    say_numerics(engine.loaded)
+    return engine
+
+
+def say_numerics(loaded: Any) -> None:
+    """One line on what the target runs in where ``--dtype auto`` chose for a GGUF file (its
+    own blocks, or why not and what that costs), or another dtype was asked for: every speedup
+    and every "identical" is measured in those numerics."""
+    note = loaded.numerics_note
+    if loaded.dtype_name == "float32" and note is None:
+        return
+    line = f"numerics: {loaded.dtype_name} ({loaded.numerics})"
+    err_console.print(line if note is None else f"{line}, {note}", highlight=False)
 
 
 class SpecHelpCommand(TyperCommand):

@@ -92,7 +92,7 @@ def generate(
             show_default=False,
         ),
     ] = None,
-    dtype: DtypeOpt = "float32",
+    dtype: DtypeOpt = "auto",
     device: DeviceOpt = "cpu",
     chat_template: ChatTemplateOpt = None,
     threads: ThreadsOpt = None,

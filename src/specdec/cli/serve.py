@@ -43,7 +43,7 @@ def serve(
     num_draft_tokens: KOpt = 5,
     adaptive: AdaptiveOpt = True,
     typical: TypicalOpt = False,
-    dtype: DtypeOpt = "float32",
+    dtype: DtypeOpt = "auto",
     device: DeviceOpt = "cpu",
     chat_template: ChatTemplateOpt = None,
     threads: ThreadsOpt = None,

@@ -69,6 +69,8 @@ class LoadedModel:
     source: str
     numerics: str
     dtype_name: str
+    # why ``--dtype auto`` did not run the file's own blocks (and what that costs), if it did not
+    numerics_note: str | None = None
     # how it runs (which verifier, what it can do): the registered backend of ``dtype_name``
     backend: Backend = field(init=False, repr=False, compare=False)
 
