@@ -451,3 +451,21 @@ def test_sampled_output_through_text_follows_the_target_and_the_test_has_power()
     wrong, _, _ = _sampling_engine(AlwaysAcceptRule())
     bad = tree_pvalue(sample_joint(wrong, prompt), joint)
     assert bad < ALPHA, f"a rule accepting every proposed token went undetected ({bad:.2e})"
+
+
+@pytest.mark.slow
+def test_hf_universal_assisted_generation_baseline(tiny_model_dir):
+    """``hf-assisted:draft=X`` with X's tokenizer other than the target's runs Hugging Face's
+    universal assisted generation (both tokenizers passed to ``generate``), the baseline the
+    cross-tokenizer draft is measured against; its greedy output is the target's. (The
+    assistant is the bundled model: transformers' UAG fails with the tiny test models as
+    assistants, with 0 assistant tokens to prefill.)"""
+    from specdec.bench.methods import build_runners, parse_methods
+    from specdec.target.loading import default_gguf_path
+
+    target = load_model(tiny_model_dir, dtype="float64")
+    specs = parse_methods(f"none,hf-assisted:draft={default_gguf_path()}")
+    plain, uag = build_runners(target, specs, 4)
+    assert "assistant_tokenizer" in uag.kwargs  # type: ignore[attr-defined]
+    prompt = target.tokenizer("ROMEO: But soft, what light through yonder")["input_ids"]
+    assert uag.run(prompt, 16).token_ids == plain.run(prompt, 16).token_ids

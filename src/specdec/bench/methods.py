@@ -70,10 +70,13 @@ class HFPromptLookupOptions(HFOptions):
 
 @dataclass(frozen=True, kw_only=True)
 class HFAssistedOptions(HFOptions):
-    """Hugging Face assisted generation, the assistant drafting a constant K per step"""
+    """Hugging Face assisted generation, the assistant drafting a constant K per step (an
+    assistant with another tokenizer: universal assisted generation, text re-tokenised)"""
 
     primary = "draft"
-    draft: str = option(help="the assistant: a model directory, or layers:N of the target")
+    draft: str = option(
+        help="the assistant: a model directory, GGUF file or pack alias, or layers:N of the target"
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -87,13 +90,17 @@ class HFAssistedOptions(HFOptions):
 
     def generate_kwargs(self, loaded: LoadedModel, k: int) -> dict[str, Any]:
         # Constant K, HF's confidence cut-off off: it drafts exactly what our `draft` drafts.
-        draft = _draft_model(loaded, self.draft)
+        draft, tokenizer = _draft_model(loaded, self.draft)
         gen = copy.deepcopy(draft.generation_config)
         gen.num_assistant_tokens = self.k or k
         gen.num_assistant_tokens_schedule = "constant"
         gen.assistant_confidence_threshold = 0.0
         draft.generation_config = gen
-        return {"assistant_model": draft}
+        kwargs: dict[str, Any] = {"assistant_model": draft}
+        if tokenizer is not None and tokenizer.get_vocab() != loaded.tokenizer.get_vocab():
+            # universal assisted generation (transformers' UAG): both tokenizers, text between
+            kwargs.update(tokenizer=loaded.tokenizer, assistant_tokenizer=tokenizer)
+        return kwargs
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -231,10 +238,17 @@ class EngineRunner:
         return RunOutput(tokens, stats.seconds, finish, stats)
 
 
-def _draft_model(loaded: LoadedModel, draft: str) -> PreTrainedModel:
+def _draft_model(loaded: LoadedModel, draft: str) -> tuple[PreTrainedModel, Any]:
+    """The assistant model and its tokenizer (``None``: layers of the target, its own)."""
     if draft.startswith("layers:"):
-        return early_exit_model(loaded.model, int(draft.partition(":")[2]))
-    return load_model(draft, dtype=loaded.dtype_name).model
+        return early_exit_model(loaded.model, int(draft.partition(":")[2])), None
+    # a GGUF target's own-block numerics need the assistant's file too: its own choice then
+    dtype = "auto" if loaded.dtype_name == "kquant" else loaded.dtype_name
+    if draft.lower().endswith(".gguf"):
+        assistant = load_model(gguf=draft, dtype=dtype)
+    else:
+        assistant = load_model(draft, dtype=dtype)
+    return assistant.model, assistant.tokenizer
 
 
 class HFRunner:
