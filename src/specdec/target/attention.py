@@ -85,7 +85,12 @@ def rowwise_sdpa_attention(
     (what fp32 tolerates) can move a value across a rounding boundary, change the logits by
     ~1e-2 and flip a near-tied argmax, so that speculative output would leave plain output.
     Each row is two small matmuls and a softmax (cheaper here than a fused SDPA call per row);
-    passes of more than ``ROWWISE_MAX_ROWS`` rows (prefill) use one batched SDPA call."""
+    passes of more than ``ROWWISE_MAX_ROWS`` rows (prefill) use one batched SDPA call. A module
+    with a ``row_attention`` method (kquant's) computes every row with it instead, so a batched
+    or padded pass gives each row what the module's single-sequence passes give it."""
+    own = getattr(module, "row_attention", None)
+    if own is not None:  # the module's own row kernel: the bits of its one-sequence passes
+        return own(query, key, value, attention_mask, scaling), None
     b, heads, t, _ = query.shape
     if t > ROWWISE_MAX_ROWS:
         return gqa_sdpa_attention(

@@ -228,6 +228,33 @@ class KQuantAttention(nn.Module):
             out, _ = attend(self, q, k, v, attention_mask, scaling=self.scaling, dropout=0.0)
         return self.o_proj.mm(out.reshape(b * t, -1)).view(b, t, -1), None
 
+    def row_attention(
+        self,
+        query: torch.Tensor,  # [B, heads, T, D]
+        key: torch.Tensor,  # [B, kv_heads, N, D]
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,  # [B or 1, 1, T, N] bool or additive, or None
+        scaling: float | None = None,
+    ) -> torch.Tensor:
+        """Each sequence's rows through the kernel of :meth:`attend` (over the keys its mask
+        allows, in cache order), for passes of several sequences: a batch mate then changes
+        no bit of a row. Returns ``[B, T, heads, D]``, the layout attention functions return."""
+        b, heads, t, d = query.shape
+        scale = self.scaling if scaling is None else scaling
+        ext = kquant.extension()
+        out = query.new_empty(b, t, heads, value.shape[-1])
+        for bi in range(b):
+            allowed = None
+            if attention_mask is not None:
+                allowed = attention_mask[min(bi, attention_mask.shape[0] - 1), 0]
+                if allowed.dtype != torch.bool:
+                    allowed = allowed > torch.finfo(allowed.dtype).min / 2
+            rows = ext.attention(
+                query[bi].transpose(0, 1), key[bi], value[bi], allowed, scale, False
+            )
+            out[bi] = rows.view(t, heads, -1)
+        return out
+
     @property
     def owns_attention(self) -> bool:
         """Whether the model runs its own (row-wise) attention, which this module's kernel
