@@ -144,3 +144,17 @@ def test_hidden_states_are_still_recorded(tiny_tokenizer_dir, tmp_path):
         states.append(runner.last_hidden)
     assert states[0].shape == states[1].shape == (3, 3 * 256)
     torch.testing.assert_close(states[1], states[0], rtol=0.05, atol=0.05 * states[0].abs().max())
+
+
+def test_a_pass_of_no_rows_is_empty_not_an_error(tiny_tokenizer_dir, tmp_path):
+    """Hugging Face's universal assisted generation can feed its assistant a pass of no new
+    tokens; the lean attention derives its head counts from the widths, so that pass returns
+    empty projections rather than failing to infer a -1 dimension from 0 elements."""
+    loaded = _lean_model(tiny_tokenizer_dir, tmp_path, seed=4)
+    attn = loaded.model.model.layers[0].self_attn
+    d = attn.head_dim
+    q, k, v = attn.project(torch.zeros(0, 256), torch.zeros(0, d), torch.zeros(0, d))
+    assert q.shape == (0, 256 // d, d) and k.shape[0] == 0 and v.shape[0] == 0
+    runner_input = torch.zeros(1, 0, dtype=torch.long)
+    with torch.no_grad():
+        assert loaded.model(runner_input).logits.shape[:2] == (1, 0)

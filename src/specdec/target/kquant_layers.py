@@ -168,7 +168,9 @@ class KQuantAttention(nn.Module):
         ``[T, heads, D]`` views of the fused outputs; cos/sin ``[T, D]``."""
         d = self.head_dim
         q, k, v = _apply(self._qkv, x)
-        q, k, v = q.view(q.shape[0], -1, d), k.view(k.shape[0], -1, d), v.view(v.shape[0], -1, d)
+        # head counts from the widths, not -1: a pass of no rows (Hugging Face's universal
+        # assisted generation feeds its assistant one) has nothing to infer them from
+        q, k, v = (y.view(y.shape[0], y.shape[1] // d, d) for y in (q, k, v))
         ext = kquant.extension()
         ext.rope_(q, cos, sin)
         ext.rope_(k, cos, sin)
@@ -313,6 +315,8 @@ class LeanDecoderLayer:
         b, t, hidden = hidden_states.shape
         if cache is None:  # the name transformers is deprecating, still accepted by HF's layer
             cache = kwargs.pop("past_key_values", None)
+        if t == 0:  # a pass of no new tokens (transformers' universal assisted generation)
+            return hidden_states
         lean = b == 1 and self.self_attn.owns_attention
         if not lean or position_embeddings is None:
             return super().forward(  # type: ignore[misc]
