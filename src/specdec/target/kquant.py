@@ -12,7 +12,7 @@ Exactness: the weights are the file's codes and 6-bit sub-block scales as intege
 fp16 ``d``/``dmin`` held in fp32 (for the 32-weight block types, each block's fp16 scale and
 offset), so nothing is rounded a second time; rows not a multiple of 256 wide are padded with
 zero weights; activations are rounded
-per row and per 256-block to int8 (llama.cpp's Q8_K rule). Every row is computed from itself
+per row and per 32 inputs to int8 (llama.cpp's Q8_0 rule). Every row is computed from itself
 alone in the same order whatever the row count, so a k-row verification pass gives each row
 bit for bit what a one-row decoding step gives it.
 
@@ -27,7 +27,7 @@ import functools
 import os
 from pathlib import Path
 from types import ModuleType
-from typing import cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -177,6 +177,8 @@ def small_parts(kind: str, blocks: np.ndarray, n: int, k: int) -> dict[str, torc
 
 # the kernel's weight kinds (csrc/kquant.cpp ``Kind``): each file type, and its code width
 KIND_IDS = {"Q4_K": 0, "Q6_K": 1, "Q5_K": 2, "Q4_0": 3, "Q4_1": 3, "Q5_0": 4, "Q5_1": 4, "Q8_0": 5}
+KINDS = tuple(KIND_IDS)  # what the kernel multiplies
+_LANE_SCALED = 3  # kinds from here on carry a scale and offset per 32 weights
 _CODE_STRIDE = {0: 128, 1: 192, 2: 192, 3: 128, 4: 192, 5: 256}
 
 
@@ -195,7 +197,7 @@ class KQuantLinear(nn.Module):
         self.kind_id = KIND_IDS[kind]
         self.in_features = in_features
         self.padded_in = -(-in_features // QK) * QK
-        if self.kind_id < 3 and self.padded_in != in_features:
+        if self.kind_id < _LANE_SCALED and self.padded_in != in_features:
             raise ConfigError(f"in_features {in_features} is not a multiple of {QK}")
         self.out_features = parts["codes"].shape[0]
         self.codes, self.meta = parts["codes"], parts["meta"]
@@ -239,7 +241,7 @@ class KQuantLinear(nn.Module):
     def exact_weight(self) -> torch.Tensor:
         """The exact fp32 weight ``[N, K]`` (what the file's own dequantisation gives)."""
         n, nb = self.out_features, self.padded_in // QK
-        if self.kind_id >= 3:
+        if self.kind_id >= _LANE_SCALED:
             scales = self.meta.view(torch.float16).view(n, nb, 2, 8).float()
             q = self._codes().view(n, nb, 8, 32).float()
             w = scales[:, :, 0, :, None] * q + scales[:, :, 1, :, None]
@@ -314,8 +316,7 @@ def module_path(tensor_name: str, tied: bool) -> str | None:
     return None
 
 
-# what the kernel multiplies, and the architectures whose GGUF rows it knows how to place
-KINDS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+# the architectures whose GGUF rows the reader knows how to place
 ARCHITECTURES = ("qwen2", "llama", "gemma3")
 
 
@@ -325,9 +326,11 @@ def coverage(gguf_path: str | os.PathLike[str]) -> str | None:
     file's header and tensor table only."""
     from gguf import GGUFReader
 
-    reader = GGUFReader(str(gguf_path))
-    field = reader.fields.get("general.architecture")
-    arch = "unknown" if field is None else bytes(field.parts[-1]).decode()
+    return _coverage(GGUFReader(str(gguf_path)))
+
+
+def _coverage(reader: Any) -> str | None:
+    arch = _field(reader, "general.architecture") or "unknown"
     if arch not in ARCHITECTURES:
         return f"its architecture is {arch} (kquant runs {', '.join(ARCHITECTURES)})"
     tensors = {t.name: t.tensor_type.name for t in reader.tensors}
@@ -354,8 +357,9 @@ def linear_bytes(gguf_path: str | os.PathLike[str]) -> tuple[float, float]:
     return stored / 1e9, fp32 / 1e9
 
 
-def _field(reader: object, key: str) -> object | None:
-    field = getattr(reader, "fields").get(key)  # noqa: B009 - GGUFReader's, untyped
+def _field(reader: Any, key: str) -> Any:
+    """A GGUF header field's value (a string field decoded), or ``None``."""
+    field = reader.fields.get(key)
     if field is None:
         return None
     value = field.parts[-1]
@@ -376,13 +380,13 @@ def attach_gguf_blocks(model: nn.Module, gguf_path: str | os.PathLike[str]) -> i
     file the kernel does not cover (:func:`coverage`)."""
     from gguf import GGUFReader
 
-    reason = coverage(gguf_path)
+    reader = GGUFReader(str(gguf_path))
+    reason = _coverage(reader)
     if reason is not None:
         raise ConfigError(
             f"dtype 'kquant' cannot run {Path(gguf_path).name}: {reason}; use --dtype float32 "
             "(the dequantised weights), gguf (llama.cpp) or int8-dynamic for this one"
         )
-    reader = GGUFReader(str(gguf_path))
     arch = _field(reader, "general.architecture")
     tensors = {t.name: t for t in reader.tensors}
     modules = dict(model.named_modules())
@@ -398,7 +402,7 @@ def attach_gguf_blocks(model: nn.Module, gguf_path: str | os.PathLike[str]) -> i
             heads = _field(reader, "llama.attention.head_count")
             if role == "attn_k":
                 heads = _field(reader, "llama.attention.head_count_kv") or heads
-            data = data[llama_row_order(data.shape[0], int(cast(int, heads)))]
+            data = data[llama_row_order(data.shape[0], int(heads))]
         blocks[path] = (tensor.tensor_type.name, data)
     return attach_blocks(model, blocks, Path(gguf_path).name)
 
