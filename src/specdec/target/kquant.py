@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -54,13 +55,20 @@ def extension() -> ModuleType:
     from torch.utils import cpp_extension
 
     csrc = Path(__file__).with_name("csrc")
+    build = _ext_dir()
+    if not (build / "specdec_kquant.so").is_file():  # long work says so (sources changed: quiet)
+        print(  # noqa: T201 - once per machine, before a minute of silence
+            f"compiling specdec's quantised-block kernel once (about a minute) into {build}",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
         return cpp_extension.load(
             name="specdec_kquant",
             sources=[str(csrc / "kquant.cpp"), str(csrc / "layer.cpp")],
             extra_cflags=["-O3", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
-            build_directory=str(_ext_dir()),
+            build_directory=str(build),
             verbose=False,
         )
     except (RuntimeError, OSError, ImportError) as error:
