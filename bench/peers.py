@@ -137,32 +137,8 @@ class Running:
             self.peak_rss = max(self.peak_rss, total)
 
 
-def wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path, timeout: float) -> float:
-    start = time.monotonic()
-    beat = start + 30
-    while time.monotonic() - start < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(
-                f"exited with {proc.returncode}; last lines of {log}:\n{vi.tail(log, 12)}"
-            )
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return time.monotonic() - start
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() >= beat:
-            say(f"  ... starting: {time.monotonic() - start:.0f} s  {vi.tail(log, 1)[:100]}")
-            beat += 30
-        time.sleep(0.5)
-    raise RuntimeError(
-        f"no /health within {timeout:.0f} s; last lines of {log}:\n{vi.tail(log, 12)}"
-    )
-
-
 def start(spec: Spec, args: argparse.Namespace, logs: Path, out: Path) -> Running:
     log = logs / f"serve-{spec.name}.log"
-    port = vi.free_port()
-    url = f"http://127.0.0.1:{port}"
     if spec.kind == "vllm":
         env = vi.vllm_env(args.venv, args.cores, out / "vllm-cache" / spec.name)
         proc, record = vi.start_server(spec.argv, args.venv, env, log, args.start_timeout)
@@ -170,6 +146,8 @@ def start(spec: Spec, args: argparse.Namespace, logs: Path, out: Path) -> Runnin
             raise RuntimeError(record.get("reason", "vLLM did not start") + f" (see {log})")
         url, took = record["url"], record["seconds"]
     else:
+        port = vi.free_port()
+        url = f"http://127.0.0.1:{port}"
         argv = ["taskset", "-c", args.cores, *spec.argv, "--port", str(port)]
         say(f"serve {spec.name}: {shlex.join(argv)}  (log: {log})")
         with log.open("wb") as fh:
@@ -177,11 +155,12 @@ def start(spec: Spec, args: argparse.Namespace, logs: Path, out: Path) -> Runnin
                 argv, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True
             )
         vi.LIVE.append(proc)
-        try:
-            took = wait_healthy(proc, url, log, args.start_timeout)
-        except RuntimeError:
+        waited = vi.wait_healthy(proc, url, log, args.start_timeout)
+        if waited is None:
             vi.stop(proc)
-            raise
+            why = f"exited with {proc.returncode}" if proc.poll() is not None else "no /health"
+            raise RuntimeError(f"{why}; last lines of {log}:\n{vi.tail(log, 12)}")
+        took = waited
         say(f"  healthy after {took:.0f} s")
     model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
     # llama-server reuses a slot's cached prompt: off, as prefix caching is for vLLM (see doc)
@@ -192,52 +171,12 @@ def start(spec: Spec, args: argparse.Namespace, logs: Path, out: Path) -> Runnin
 
 
 # -- the clients ---------------------------------------------------------------------------------
-def stream(
-    url: str, model: str, prompt: str, max_tokens: int, extra: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """One streamed greedy chat completion through the ``openai`` client."""
-    from openai import OpenAI
-
-    client = OpenAI(base_url=f"{url}/v1", api_key="none", timeout=1800, max_retries=0)
-    sent = time.perf_counter()
-    arrivals: list[float] = []
-    parts: list[str] = []
-    tokens: int | None = None
-    try:
-        chunks = client.chat.completions.create(
-            model=model,
-            messages=[{"role": "user", "content": prompt}],
-            temperature=0.0,
-            max_tokens=max_tokens,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True, **(extra or {})},
-        )
-        for chunk in chunks:
-            if chunk.usage is not None:
-                tokens = chunk.usage.completion_tokens
-            for choice in chunk.choices:
-                if choice.delta is not None and choice.delta.content:
-                    arrivals.append(time.perf_counter())
-                    parts.append(choice.delta.content)
-    except Exception as e:  # recorded: the level counts it as lost
-        return {"error": repr(e)[:300]}
-    if not arrivals:
-        return {"error": "no content received"}
-    return {
-        "text": "".join(parts),
-        "tokens": tokens,
-        "ttft": arrivals[0] - sent,
-        "gaps": [b - a for a, b in zip(arrivals[:-1], arrivals[1:], strict=True)],
-        "tpot": (arrivals[-1] - arrivals[0]) / (tokens - 1) if tokens and tokens > 1 else None,
-    }
-
-
 def level(
     server: Running, prompts: Sequence[str], clients: int, requests: int, max_tokens: int
 ) -> dict[str, Any]:
     """``requests`` requests (prompts in turn) from ``clients`` threads, each sending its next
     request as soon as its last one ends."""
+    fields = {"ignore_eos": True, **server.extra}  # every answer max_tokens long
     results: list[dict[str, Any]] = [{} for _ in range(requests)]
     lock = threading.Lock()
     todo = iter(range(requests))
@@ -248,9 +187,11 @@ def level(
                 i = next(todo, None)
             if i is None:
                 return
-            results[i] = {"prompt": i % len(prompts)}
             prompt = prompts[i % len(prompts)]
-            results[i].update(stream(server.url, server.model, prompt, max_tokens, server.extra))
+            answer = vi.chat(server.url, server.model, prompt, max_tokens, fields)
+            if "error" not in answer and answer["ttft"] is None:
+                answer["error"] = "no content received"
+            results[i] = {"prompt": i % len(prompts), **answer}
 
     began = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(clients)]
@@ -260,15 +201,20 @@ def level(
         t.join()
     wall = time.perf_counter() - began
     good = [r for r in results if "error" not in r]
-    tokens = sum(r.get("tokens") or 0 for r in good)
+    tokens = sum(r["completion_tokens"] or 0 for r in good)
     gaps = [g for r in good for g in r["gaps"]]
-    tpots = [r["tpot"] for r in good if r.get("tpot") is not None]
+    # decode time per token: first chunk to last over the tokens after the first
+    tpots = [
+        sum(r["gaps"]) / (r["completion_tokens"] - 1)
+        for r in good
+        if (r["completion_tokens"] or 0) > 1
+    ]
     return {
         "clients": clients,
         "requests": requests,
         "lost": requests - len(good),
         "errors": sorted({r["error"] for r in results if "error" in r})[:3],
-        "truncated": sum(1 for r in good if r.get("tokens") != max_tokens),
+        "truncated": sum(1 for r in good if r["completion_tokens"] != max_tokens),
         "tokens": tokens,
         "wall_s": round(wall, 2),
         "tok_s": round(tokens / wall, 2) if wall > 0 else 0.0,
@@ -293,7 +239,7 @@ def run_server(
         return record
     record["start_s"] = server.start_s
     try:
-        stream(server.url, server.model, vi.WARMUP_PROMPT, 8, server.extra)
+        vi.chat(server.url, server.model, vi.WARMUP_PROMPT, 8, {"ignore_eos": True, **server.extra})
         solo: dict[int, str | None] = {}
         record["levels"] = []
         for clients in args.clients:
@@ -498,7 +444,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-server", type=Path, default=None, help="a llama-server binary")
     ap.add_argument("--start-timeout", type=float, default=600.0)
     args = ap.parse_args(argv)
-    args.clients = sorted({1, *(int(c) for c in args.clients.split(",") if c)})
+    try:
+        args.clients = sorted({1, *(int(c) for c in args.clients.split(",") if c)})
+    except ValueError:
+        ap.error(f"--clients {args.clients!r}: comma-separated client counts, e.g. 1,4,16")
+    if args.clients[0] < 1 or args.requests < 1 or args.max_tokens < 1:
+        ap.error("--clients, --requests and --max-tokens must be at least 1")
+    unknown = [t for t in args.targets.split(",") if t and t not in DEFAULT_SPECS]
+    if unknown:
+        ap.error(f"unknown --targets {unknown}: choose from bundled, qwen")
     args.peers = {p for p in args.peers.split(",") if p}
     args.skip = {p for p in args.skip.split(",") if p}
     if args.cores is None:
@@ -532,8 +486,6 @@ def main(argv: list[str] | None = None) -> int:
             llama = llama_server_binary(args.llama_venv, args.llama_server, logs)
         for key in [t for t in args.targets.split(",") if t]:
             model = None if key == "bundled" else vi.QWEN_TARGET
-            if key not in DEFAULT_SPECS:
-                ap.error(f"unknown target {key!r}: bundled, qwen")
             if model is not None:
                 from specdec.errors import SpecDecError
                 from specdec.target.packs import PACKS, part_paths
@@ -562,14 +514,7 @@ def main(argv: list[str] | None = None) -> int:
     results["failures"] = failures(results) + (
         [results["setup_error"]] if "setup_error" in results else []
     )
-    results["finished"] = datetime.datetime.now().isoformat(timespec="seconds")
-    (out / "results.json").write_text(json.dumps(results, indent=1, default=vi.vars_or_str))
-    plot(results, out)
-    write_report(results, out)
-    say(f"wrote {out / 'report.md'}")
-    for f in results["failures"]:
-        say(f"FAIL: {f}")
-    return 1 if results["failures"] else 0
+    return vi.finish(results, out, plot, write_report)
 
 
 if __name__ == "__main__":

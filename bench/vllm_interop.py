@@ -58,7 +58,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -560,6 +560,28 @@ ENV_SHOWN = (
 )
 
 
+def wait_healthy(
+    proc: subprocess.Popen[bytes], url: str, log: Path, timeout: float
+) -> float | None:
+    """Seconds until ``url``'s ``/health`` answered 200; ``None`` if the process exited or
+    ``timeout`` passed first. A progress line every 30 s."""
+    start = time.monotonic()
+    beat = start + 30
+    while time.monotonic() - start < timeout:
+        if proc.poll() is not None:
+            return None
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return time.monotonic() - start
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() >= beat:
+            say(f"  ... starting: {time.monotonic() - start:.0f} s  {tail(log, 1)[:100]}")
+            beat += 30
+        time.sleep(0.5)
+    return None
+
+
 def start_server(
     argv: Sequence[str], venv: Path, env: dict[str, str], log: Path, timeout: float
 ) -> tuple[subprocess.Popen[bytes] | None, dict[str, Any]]:
@@ -591,21 +613,7 @@ def start_server(
         fh.close()
         LIVE.append(proc)
         start = time.monotonic()
-        beat = start + 30
-        healthy = False
-        while time.monotonic() - start < timeout:
-            if proc.poll() is not None:
-                break
-            try:
-                healthy = httpx.get(f"{attempt['url']}/health", timeout=5).status_code == 200
-            except httpx.HTTPError:
-                healthy = False
-            if healthy:
-                break
-            if time.monotonic() >= beat:
-                say(f"  ... starting: {time.monotonic() - start:.0f} s  {tail(log, 1)[:100]}")
-                beat += 30
-            time.sleep(1)
+        healthy = wait_healthy(proc, attempt["url"], log, timeout) is not None
         attempt["seconds"] = round(time.monotonic() - start, 1)
         if healthy:
             attempt["started"] = True
@@ -685,13 +693,16 @@ def vllm_acceptance(delta: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- requests ----------------------------------------------------------------------------------
-def chat(url: str, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
-    """One streamed greedy chat completion."""
+def chat(
+    url: str, model: str, prompt: str, max_tokens: int, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """One streamed greedy chat completion; ``extra``: more request fields (``extra_body``).
+    ``gaps``: seconds between consecutive content chunks."""
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{url}/v1", api_key="none", timeout=1800, max_retries=0)
     start = time.perf_counter()
-    first: float | None = None
+    arrivals: list[float] = []
     parts: list[str] = []
     tokens: int | None = None
     finish: str | None = None
@@ -703,14 +714,14 @@ def chat(url: str, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
             max_tokens=max_tokens,
             stream=True,
             stream_options={"include_usage": True},
+            extra_body=extra,
         )
         for chunk in stream:
             if chunk.usage is not None:
                 tokens = chunk.usage.completion_tokens
             for choice in chunk.choices:
                 if choice.delta is not None and choice.delta.content:
-                    if first is None:
-                        first = time.perf_counter()
+                    arrivals.append(time.perf_counter())
                     parts.append(choice.delta.content)
                 if choice.finish_reason:
                     finish = choice.finish_reason
@@ -722,7 +733,8 @@ def chat(url: str, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
         "completion_tokens": tokens,
         "finish_reason": finish,
         "seconds": end - start,
-        "ttft": None if first is None else first - start,
+        "ttft": arrivals[0] - start if arrivals else None,
+        "gaps": [b - a for a, b in zip(arrivals[:-1], arrivals[1:], strict=True)],
         "start": start,
         "end": end,
     }
@@ -1627,11 +1639,22 @@ def main(argv: list[str] | None = None) -> int:
     steps = results["setup"].get("steps", [])
     results["setup"]["steps"] = [vars(s) if isinstance(s, Step) else s for s in steps]
     results["failures"] = failures(results)
+    return finish(results, out, plot, write_report)
+
+
+def finish(
+    results: dict[str, Any],
+    out: Path,
+    plot: Callable[[dict[str, Any], Path], None],
+    report: Callable[[dict[str, Any], Path], None],
+) -> int:
+    """Write results.json, the plot and report.md into ``out``, say each failure; the exit
+    code (1 when ``results["failures"]`` is not empty)."""
     results["finished"] = datetime.datetime.now().isoformat(timespec="seconds")
     (out / "results.json").write_text(json.dumps(results, indent=1, default=vars_or_str))
     plot(results, out)
-    write_report(results, out)
-    say(f"wrote {out / 'report.md'}, {out / 'results.json'}, {out / 'tokens_per_s.png'}")
+    report(results, out)
+    say(f"wrote {out / 'report.md'}, {out / 'results.json'} and the plot")
     for f in results["failures"]:
         say(f"FAIL: {f}")
     return 1 if results["failures"] else 0
