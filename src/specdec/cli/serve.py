@@ -79,9 +79,8 @@ def serve(
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
     /v1/models, /health, /metrics)."""
-    import uvicorn
-
     from specdec.server import ServerConfig, create_app
+    from specdec.server.host import MainThreadServer
 
     with user_errors():
         config = ServerConfig(
@@ -110,5 +109,6 @@ def serve(
         f"http://{host}:{port}/v1",
         highlight=False,
     )
-    # One process, one engine: requests are batched on one thread, never spread over processes.
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    # One process, one engine: requests are batched on the main thread, HTTP runs beside it.
+    with user_errors():
+        MainThreadServer(app, host=host, port=port, log_level=log_level).run()

@@ -197,34 +197,70 @@ class JobQueue:
 
 class Worker:
     """What every engine thread shares: the bounded queue in front of it, the thread, and the
-    asyncio side's calls (submit, withdraw). Subclasses run ``_loop`` on the thread."""
+    asyncio side's calls (submit, withdraw). Subclasses run ``_loop`` on the thread.
+
+    By default :meth:`start` gives the loop a thread of its own. ``specdec serve`` instead keeps
+    the loop on the process's main thread (:meth:`keep_on_caller`, then :meth:`run_here`) and
+    moves the HTTP server to a thread: libgomp gives every thread that opens a parallel region
+    its own pool of workers, and once a process holds more pool workers than cores (the model
+    load already made one pool on the main thread) it stops letting them spin between regions,
+    so each of the hundreds of parallel regions in a decode step pays a wake-up from sleep.
+    """
 
     thread_name = "specdec-engine"
 
     def __init__(self, queue: JobQueue) -> None:
         self.queue = queue
         self._thread: threading.Thread | None = None
+        self._on_caller = False
+        self._done = threading.Event()
         self._mean_job_seconds = 1.0  # running estimate, for Retry-After
         self.jobs_done = 0
 
     def _loop(self) -> None:
         raise NotImplementedError
 
+    def _run_loop(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self._done.set()
+
     # -- lifecycle ------------------------------------------------------------------------------
+    def keep_on_caller(self) -> None:
+        """The calling thread will run the loop (:meth:`run_here`); :meth:`start` spawns none."""
+        self._on_caller = True
+        self._thread = threading.current_thread()
+
+    def run_here(self) -> None:
+        """Run the loop on the calling thread until the worker is stopped."""
+        if not self._on_caller or self._thread is not threading.current_thread():
+            raise RuntimeError(
+                "run_here() must be called on the thread that called keep_on_caller()"
+            )
+        self._run_loop()
+
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name=self.thread_name, daemon=True)
+        if self._on_caller:
+            return
+        self._thread = threading.Thread(target=self._run_loop, name=self.thread_name, daemon=True)
         self._thread.start()
 
     def _close(self, timeout: float) -> None:
-        """Refuse new work, end the waiting jobs and join the thread."""
+        """Refuse new work, end the waiting jobs and wait for the loop to return."""
         for job in self.queue.close():
             job.post(Ended(Outcome.CANCELLED))
-        if self._thread is not None:
-            self._thread.join(timeout)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._done.wait(timeout)
+
+    @property
+    def loop_thread(self) -> threading.Thread | None:
+        """The thread that runs (or will run) the loop."""
+        return self._thread
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and self._thread.is_alive() and not self._done.is_set()
 
     # -- the asyncio side -----------------------------------------------------------------------
     def submit(self, job: Job) -> int:
