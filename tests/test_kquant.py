@@ -101,6 +101,11 @@ def test_every_kind_is_read_exactly_and_computed_row_by_row(kind, k):
     for simd in paths[1:]:
         assert torch.equal(simd, paths[-1])
     assert torch.allclose(paths[0], paths[-1], rtol=1e-5, atol=1e-5 * paths[0].abs().max().item())
+    # the kernel pads narrower rows itself, to the same bits as rows padded beforehand
+    for p in range(ext.best_path() + 1):
+        assert torch.equal(ext.kquant_mm_on(x, *args, p), paths[p])
+    with pytest.raises(RuntimeError, match="disagree on in_features"):
+        ext.kquant_mm(x[:, : layer.padded_in - 256], *args, False)
 
 
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])

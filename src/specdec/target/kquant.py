@@ -33,7 +33,6 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from specdec.errors import ConfigError
 from specdec.target import files
@@ -289,8 +288,7 @@ class KQuantLinear(nn.Module):
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """The layer on float32 rows ``[rows, in]`` -> ``[rows, out]``, without the module
         call (the lean decoder layers call it a few hundred times a step)."""
-        if self.padded_in != self.in_features:
-            x = F.pad(x, (0, self.padded_in - self.in_features))
+        # rows narrower than the padded blocks are padded with zeros by the kernel
         y = extension().kquant_mm(x, self.codes, self.meta, self.d, self.dmin, self.kind_id, False)
         if self.bias is not None:
             y += self.bias

@@ -29,6 +29,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -105,17 +106,27 @@ enum Path : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 // 32-input block's, stored twice so the kernel loads one lane's worth with one instruction) and
 // ``u`` = d * (sum of its 16 codes), the factor of the "min" term, so the kernel pays one
 // multiply-add per row and block for it.
-void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* q, float* d, int16_t* bs,
-                   float* u, int path) {
+// ``x`` rows are ``k_in`` wide; inputs from ``k_in`` up to the padded width ``k`` (a multiple of
+// 256) are zeros, as the zero weight blocks they meet.
+void quantize_rows(const float* x, int64_t rows, int64_t k_in, int64_t k, int8_t* q, float* d,
+                   int16_t* bs, float* u, int path) {
   const int64_t nb = k / QK;
   alignas(64) int8_t natural[QK];
+  alignas(64) float tail[QK];
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t off = r * k + b * QK;
       const int64_t g = r * (k / 16) + b * 16;
+      const float* xb = x + r * k_in + b * QK;
+      if ((b + 1) * QK > k_in) {  // the last, partly padded block
+        const int64_t have = std::max<int64_t>(0, k_in - b * QK);
+        std::fill(tail, tail + QK, 0.f);
+        std::memcpy(tail, xb, sizeof(float) * have);
+        xb = tail;
+      }
       for (int j = 0; j < QK / QA; ++j) {
         float dj = 0.f;
-        const float* xj = x + off + j * QA;
+        const float* xj = xb + j * QA;
         int16_t* sj = bs + g + j * (QA / 16);
         if (path == kAvx512) quantize_block_avx512(xj, natural + j * QA, &dj, sj);
         else if (path == kAvx2) quantize_block_avx2(xj, natural + j * QA, &dj, sj);
@@ -556,13 +567,16 @@ torch::Tensor kquant_mm_on(torch::Tensor x, torch::Tensor codes, torch::Tensor m
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [rows, K] float32");
   TORCH_CHECK(kind >= 0 && kind <= kLastKind, "unknown weight kind ", kind);
   x = x.contiguous();
-  const int64_t rows = x.size(0), k = x.size(1);
-  TORCH_CHECK(k % QK == 0, "in_features must be a multiple of 256");
-  const int64_t nb = k / QK;
-  const int64_t n_out = codes.size(0);
   const int K = static_cast<int>(kind);
-  TORCH_CHECK(codes.dim() == 2 && codes.size(1) == nb * code_stride(K),
-              "weights and input disagree on in_features");
+  TORCH_CHECK(codes.dim() == 2 && codes.size(1) % code_stride(K) == 0,
+              "codes must be [N, blocks * ", code_stride(K), "] bytes");
+  // the weights' width, a multiple of 256; x may be narrower by less than a block (the rest are
+  // zero weights, met by zero inputs)
+  const int64_t nb = codes.size(1) / code_stride(K);
+  const int64_t rows = x.size(0), k_in = x.size(1), k = nb * QK;
+  TORCH_CHECK(k_in <= k && k_in > k - QK && (k_in == k || lane_scaled(K)),
+              "weights and input disagree on in_features (", k_in, " inputs, weights ", k, " wide)");
+  const int64_t n_out = codes.size(0);
   TORCH_CHECK(meta.numel() == n_out * nb * meta_stride(K), "meta has the wrong size");
   const uint16_t* dptr = nullptr;
   const uint16_t* mptr = nullptr;
@@ -581,7 +595,7 @@ torch::Tensor kquant_mm_on(torch::Tensor x, torch::Tensor codes, torch::Tensor m
   auto u = torch::empty({rows, k / 16}, torch::kFloat32);
   TORCH_CHECK(path >= kScalar && path <= best_path(), "kernel path ", path,
               " does not run on this CPU (best: ", path_name(), ")");
-  quantize_rows(x.data_ptr<float>(), rows, k, q.data_ptr<int8_t>(), da.data_ptr<float>(),
+  quantize_rows(x.data_ptr<float>(), rows, k_in, k, q.data_ptr<int8_t>(), da.data_ptr<float>(),
                 bs.data_ptr<int16_t>(), u.data_ptr<float>(), path);
   auto y = torch::empty({rows, n_out}, torch::kFloat32);
   Weights w{codes.data_ptr<uint8_t>(), meta.data_ptr<uint8_t>(), dptr, mptr, nb};
