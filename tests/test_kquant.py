@@ -25,7 +25,7 @@ from specdec import SpeculativeEngine
 from specdec.errors import ConfigError, ModelNotFoundError
 from specdec.target import ModelRunner, load_model
 from specdec.target.attention import use_rowwise_attention
-from specdec.target.kquant import KQuantLinear, attach_blocks, extension
+from specdec.target.kquant import KQuantEmbedding, KQuantLinear, attach_blocks, extension
 from specdec.target.loading import LoadedModel
 from specdec.target.lowbit import SCHEMES
 from specdec.target.numerics import dense_weight, swap_linears
@@ -381,6 +381,13 @@ def test_auto_runs_the_bundled_file_in_its_own_blocks(tiny_model_dir):
         a, b = loaded.model(ids.input_ids).logits[0], fp32.model(ids.input_ids).logits[0]
     assert ((a - b).norm() / b.norm()).item() < 0.05
     assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() >= 0.8
+    # the tied Q8_0 table stays quantised: its lookups are the fp32 table's rows, bit for bit,
+    # and the model keeps its identity (the digest reads the table in slices)
+    table = loaded.model.get_input_embeddings()
+    assert isinstance(table, KQuantEmbedding)
+    some = ids.input_ids[0]
+    assert torch.equal(table(some), fp32.model.get_input_embeddings()(some))
+    assert loaded.identity()["embedding_sha256"] == fp32.identity()["embedding_sha256"]
     engine = SpeculativeEngine.from_pretrained(loaded, speculator="prompt-lookup")
     prompt = "Repeat: the cat sat on the mat, the cat sat on the mat, the cat sat on the"
     plain = engine.generate(prompt, max_new_tokens=24, speculate=False)
@@ -430,6 +437,8 @@ def test_real_files_of_other_types_run_their_own_blocks(alias):
     speculation equals plain decoding in those numerics."""
     loaded = load_model(alias)
     assert loaded.dtype_name == "kquant"
+    if alias.startswith("qwen"):  # Gemma's scaled embedding keeps its own table
+        assert isinstance(loaded.model.get_input_embeddings(), KQuantEmbedding)
     engine = SpeculativeEngine.from_pretrained(loaded, speculator="prompt-lookup")
     prompt = "Repeat: the cat sat on the mat, the cat sat on the mat, the cat sat on the"
     plain = engine.generate(prompt, max_new_tokens=24, speculate=False)

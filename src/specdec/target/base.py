@@ -107,10 +107,23 @@ class LoadedModel:
         return total
 
     def _embedding_digest(self) -> str:
-        weight = self.model.get_input_embeddings().weight
-        assert isinstance(weight, torch.Tensor)
-        bits = weight.detach().to(torch.bfloat16).cpu().contiguous().view(torch.int16)
-        return hashlib.sha256(bits.numpy().tobytes()).hexdigest()
+        """sha256 of the table's bfloat16 bits, row after row, read in slices: a table kept
+        quantised (``KQuantEmbedding``) is dequantised a slice at a time, never whole."""
+        embedding = self.model.get_input_embeddings()
+        slice_of = getattr(embedding, "rows", None)
+        if not callable(slice_of):
+            weight = embedding.weight
+            assert isinstance(weight, torch.Tensor)
+
+            def slice_of(start: int, stop: int) -> torch.Tensor:
+                return weight[start:stop]
+
+        h = hashlib.sha256()
+        total = int(cast(int, embedding.num_embeddings))
+        for start in range(0, total, 8192):
+            rows = slice_of(start, min(total, start + 8192)).detach()
+            h.update(rows.to(torch.bfloat16).cpu().contiguous().view(torch.int16).numpy().tobytes())
+        return h.hexdigest()
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

@@ -28,7 +28,7 @@ import os
 import sys
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -189,6 +189,17 @@ _LANE_SCALED = 3  # kinds from here on carry a scale and offset per 32 weights
 _CODE_STRIDE = {0: 128, 1: 192, 2: 192, 3: 128, 4: 192, 5: 256}
 
 
+def _parts(kind: str, data: np.ndarray, in_features: int) -> dict[str, torch.Tensor]:
+    n = data.shape[0]
+    if kind == "Q4_K":
+        return q4k_parts(data, n)
+    if kind == "Q6_K":
+        return q6k_parts(data, n)
+    if kind == "Q5_K":
+        return q5k_parts(data, n)
+    return small_parts(kind, data, n, in_features)
+
+
 class KQuantLinear(nn.Module):
     """A linear layer over one GGUF tensor of a type in :data:`KINDS`, multiplied by the
     small-row kernel. Rows whose width is not a multiple of 256 are padded with zero weights
@@ -215,24 +226,30 @@ class KQuantLinear(nn.Module):
     def from_gguf(
         cls, kind: str, data: np.ndarray, in_features: int, bias: torch.Tensor | None = None
     ) -> KQuantLinear:
-        n = data.shape[0]
-        if kind == "Q4_K":
-            parts = q4k_parts(data, n)
-        elif kind == "Q6_K":
-            parts = q6k_parts(data, n)
-        elif kind == "Q5_K":
-            parts = q5k_parts(data, n)
-        elif kind in SMALL_BLOCKS:
-            parts = small_parts(kind, data, n, in_features)
-        else:
+        if kind not in KIND_IDS:
             raise ConfigError(f"KQuantLinear takes {', '.join(KINDS)} tensors, not {kind}")
+        # a vocabulary-sized tensor is repacked a slice of rows at a time: the repacking's
+        # temporaries are several times the tensor, which was the peak of a model's load
+        step = 8192
+        chunks = [_parts(kind, data[i : i + step], in_features) for i in range(0, len(data), step)]
+        if len(chunks) == 1:
+            parts = chunks[0]
+        else:
+            parts = {
+                name: chunks[0][name]
+                if chunks[0][name].numel() == 0
+                else torch.cat([c[name] for c in chunks])
+                for name in chunks[0]
+            }
         return cls(kind, parts, in_features, bias)
 
-    def _codes(self) -> torch.Tensor:
-        """Every weight's code, ``[N, nb, 256]`` int16 in weight order."""
-        n, nb = self.out_features, self.padded_in // QK
+    def _codes(self, codes: torch.Tensor | None = None) -> torch.Tensor:
+        """Every weight's code, ``[N, nb, 256]`` int16 in weight order (of ``codes``, rows of
+        this layer's, or all of them)."""
+        raw2d = self.codes if codes is None else codes
+        n, nb = raw2d.shape[0], self.padded_in // QK
         stride = _CODE_STRIDE[self.kind_id]
-        raw = self.codes.view(n, nb, stride)
+        raw = raw2d.view(n, nb, stride)
         if stride == 256:
             lanes = raw.view(n, nb, 4, 64).to(torch.int16)
         else:
@@ -247,22 +264,36 @@ class KQuantLinear(nn.Module):
 
     def exact_weight(self) -> torch.Tensor:
         """The exact fp32 weight ``[N, K]`` (what the file's own dequantisation gives)."""
-        n, nb = self.out_features, self.padded_in // QK
+        return self._exact(self.codes, self.meta, self.d, self.dmin)
+
+    def exact_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The exact fp32 weight rows ``rows`` (int64 ``[R]``) as ``[R, K]``: an embedding
+        lookup in the file's own numbers, without a dequantised copy of the whole table."""
+
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t if t.numel() == 0 else t.index_select(0, rows)
+
+        return self._exact(pick(self.codes), pick(self.meta), pick(self.d), pick(self.dmin))
+
+    def _exact(
+        self, codes: torch.Tensor, meta: torch.Tensor, d_: torch.Tensor, dmin_: torch.Tensor
+    ) -> torch.Tensor:
+        n, nb = codes.shape[0], self.padded_in // QK
         if self.kind_id >= _LANE_SCALED:
-            scales = self.meta.view(torch.float16).view(n, nb, 2, 8).float()
-            q = self._codes().view(n, nb, 8, 32).float()
+            scales = meta.view(torch.float16).view(n, nb, 2, 8).float()
+            q = self._codes(codes).view(n, nb, 8, 32).float()
             w = scales[:, :, 0, :, None] * q + scales[:, :, 1, :, None]
             return w.reshape(n, -1)[:, : self.in_features].contiguous()
-        d = self.d.float().view(n, nb, 1, 1)
+        d = d_.float().view(n, nb, 1, 1)
         if self.kind == "Q6_K":
-            q = self._codes().view(n, nb, 16, 16).float() - 32
-            sc = self.meta.view(torch.int8).view(n, nb, 16, 1).float()
+            q = self._codes(codes).view(n, nb, 16, 16).float() - 32
+            sc = meta.view(torch.int8).view(n, nb, 16, 1).float()
             return (d * sc * q).view(n, -1)
-        codes = self._codes().view(n, nb, 8, 32).float()
-        meta = self.meta.view(n, nb, 16).float()
-        sc, m = meta[..., :8].unsqueeze(-1), meta[..., 8:].unsqueeze(-1)
-        dmin = self.dmin.float().view(n, nb, 1, 1)
-        return (d * sc * codes - dmin * m).view(n, -1)
+        q = self._codes(codes).view(n, nb, 8, 32).float()
+        meta4 = meta.view(n, nb, 16).float()
+        sc, m = meta4[..., :8].unsqueeze(-1), meta4[..., 8:].unsqueeze(-1)
+        dmin = dmin_.float().view(n, nb, 1, 1)
+        return (d * sc * q - dmin * m).view(n, -1)
 
     @classmethod
     def from_attached(cls, linear: nn.Linear) -> KQuantLinear:
@@ -296,6 +327,70 @@ class KQuantLinear(nn.Module):
 
     def weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.meta, self.d, self.dmin))
+
+
+class KQuantEmbedding(nn.Module):
+    """A tied input embedding read from the output layer's quantised blocks: each lookup
+    dequantises just the rows asked for, exactly as the file's own dequantisation (so the
+    outputs are those of the float32 table, bit for bit). The float32 table it replaces is the
+    largest tensor of a small model (151,936 x 1,536 floats, 0.93 GB, for the 1.5B Qwen), held
+    only to be looked up a few rows a step."""
+
+    head: KQuantLinear  # not a submodule: the model owns it as its lm_head
+
+    def __init__(self, head: KQuantLinear, padding_idx: int | None = None) -> None:
+        super().__init__()
+        self.__dict__["head"] = head
+        self.num_embeddings = head.out_features
+        self.embedding_dim = head.in_features
+        self.padding_idx = padding_idx
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = self.head.exact_rows(input_ids.reshape(-1).long())
+        return rows.view(*input_ids.shape, self.embedding_dim)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The whole table, dequantised now (a full float32 copy, for the rare reader that
+        needs it: a drafter sharing the embedding, a digest)."""
+        return self.head.exact_weight()
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of the table (a digest reads it in slices)."""
+        return self.head.exact_rows(torch.arange(start, stop))
+
+
+def use_quantised_embedding(model: nn.Module) -> bool:
+    """Replace the input ``nn.Embedding`` by :class:`KQuantEmbedding` (after the linear swap);
+    returns whether it did. Its table is the file's ``token_embd`` blocks where
+    :func:`attach_gguf_blocks` gave the embedding its own, else the kquant LM head of a tied
+    model whose rows are the table's. A scaled or otherwise special embedding class (Gemma's
+    multiplies by sqrt(hidden)) keeps its table."""
+    get_in = getattr(model, "get_input_embeddings", None)
+    get_out = getattr(model, "get_output_embeddings", None)
+    if get_in is None or get_out is None:
+        return False
+    embedding, head = get_in(), get_out()
+    if type(embedding) is not nn.Embedding:
+        return False
+    own = getattr(embedding, ATTACHED, None)
+    if own is not None:
+        table = KQuantLinear.from_gguf(own[0], own[1], embedding.embedding_dim)
+    elif isinstance(head, KQuantLinear) and head.bias is None:
+        table = head
+    else:
+        return False
+    if (embedding.num_embeddings, embedding.embedding_dim) != (
+        table.out_features,
+        table.in_features,
+    ):
+        return False
+    # the blocks' rows must be the table's: check a few, exactly
+    probe = torch.tensor([0, embedding.num_embeddings // 2, embedding.num_embeddings - 1])
+    if not torch.equal(table.exact_rows(probe), embedding.weight.detach()[probe].float()):
+        return False
+    cast(Any, model).set_input_embeddings(KQuantEmbedding(table, embedding.padding_idx))
+    return True
 
 
 ATTACHED = "_specdec_gguf_blocks"
@@ -410,7 +505,25 @@ def attach_gguf_blocks(model: nn.Module, gguf_path: str | os.PathLike[str]) -> i
                 heads = _field(reader, "llama.attention.head_count_kv") or heads
             data = data[llama_row_order(data.shape[0], int(heads))]
         blocks[path] = (tensor.tensor_type.name, data)
-    return attach_blocks(model, blocks, Path(gguf_path).name)
+    attached = attach_blocks(model, blocks, Path(gguf_path).name)
+    table = tensors.get("token_embd.weight")
+    if not tied and table is not None and table.tensor_type.name in KINDS:
+        _attach_embedding(model, table.tensor_type.name, np.asarray(table.data))
+    return attached
+
+
+def _attach_embedding(model: nn.Module, kind: str, data: np.ndarray) -> None:
+    """Give an untied model's input embedding its own ``token_embd`` blocks (checked against
+    the loaded table on a few rows, exactly; left without where they differ), so that the
+    kquant swap can keep the table quantised (:func:`use_quantised_embedding`)."""
+    get_in = getattr(model, "get_input_embeddings", None)
+    embedding = get_in() if get_in is not None else None
+    if type(embedding) is not nn.Embedding or len(data) != embedding.num_embeddings:
+        return
+    rows = np.unique(np.linspace(0, len(data) - 1, 4).astype(int))
+    probe = KQuantLinear.from_gguf(kind, data[rows], embedding.embedding_dim).exact_weight()
+    if torch.equal(probe, embedding.weight.detach()[rows].float()):
+        setattr(embedding, ATTACHED, (kind, data))
 
 
 def attach_blocks(model: nn.Module, blocks: dict[str, tuple[str, np.ndarray]], origin: str) -> int:

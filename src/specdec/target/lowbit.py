@@ -363,8 +363,10 @@ def _kquant_linear(linear: nn.Linear) -> nn.Module:
 
 
 def _kquant_lean_layers(model: nn.Module) -> None:
+    from specdec.target.kquant import use_quantised_embedding
     from specdec.target.kquant_layers import use_lean_layers
 
+    use_quantised_embedding(model)
     use_lean_layers(model)
 
 
