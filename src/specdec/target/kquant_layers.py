@@ -211,15 +211,15 @@ class KQuantAttention(nn.Module):
             q, k, v = self.project(x, cos[0], sin[0])
             out = self.attend(q, k, v, attention_mask, cache)
         else:  # a prefill or a batch: HF's layout and the model's attention function
-            parts = [
-                self.project(
-                    x[bi * t : (bi + 1) * t],
-                    cos[min(bi, cos.shape[0] - 1)],
-                    sin[min(bi, sin.shape[0] - 1)],
-                )
-                for bi in range(b)
-            ]
-            q, k, v = (torch.stack([p[i] for p in parts]).transpose(1, 2) for i in range(3))
+            # every sequence's rows in one projection (each row is computed alone, so its bits
+            # do not depend on its batch mates), each row rotated by its own position
+            width = cos.shape[-1]
+            q, k, v = self.project(
+                x,
+                cos.expand(b, t, width).reshape(b * t, width),
+                sin.expand(b, t, width).reshape(b * t, width),
+            )
+            q, k, v = (y.view(b, t, y.shape[1], y.shape[2]).transpose(1, 2) for y in (q, k, v))
             if cache is not None:
                 k, v = cache.update(k, v, self.layer_idx)  # type: ignore[attr-defined]
             attend = (
