@@ -330,13 +330,14 @@ class KQuantLinear(nn.Module):
 
 
 class KQuantEmbedding(nn.Module):
-    """A tied input embedding read from the output layer's quantised blocks: each lookup
-    dequantises just the rows asked for, exactly as the file's own dequantisation (so the
-    outputs are those of the float32 table, bit for bit). The float32 table it replaces is the
+    """An input embedding kept in quantised blocks (the file's ``token_embd``, or a tied
+    model's LM head, which is the same tensor): each lookup dequantises just the rows asked
+    for, exactly as the file's own dequantisation (so the outputs are those of the float32
+    table, bit for bit). The float32 table it replaces is the
     largest tensor of a small model (151,936 x 1,536 floats, 0.93 GB, for the 1.5B Qwen), held
     only to be looked up a few rows a step."""
 
-    head: KQuantLinear  # not a submodule: the model owns it as its lm_head
+    head: KQuantLinear  # the blocks; not a submodule (a tied model owns them as its lm_head)
 
     def __init__(self, head: KQuantLinear, padding_idx: int | None = None) -> None:
         super().__init__()
@@ -513,16 +514,12 @@ def attach_gguf_blocks(model: nn.Module, gguf_path: str | os.PathLike[str]) -> i
 
 
 def _attach_embedding(model: nn.Module, kind: str, data: np.ndarray) -> None:
-    """Give an untied model's input embedding its own ``token_embd`` blocks (checked against
-    the loaded table on a few rows, exactly; left without where they differ), so that the
-    kquant swap can keep the table quantised (:func:`use_quantised_embedding`)."""
+    """Give an untied model's input embedding its own ``token_embd`` blocks, so that the kquant
+    swap can keep the table quantised (:func:`use_quantised_embedding`, which checks them
+    against the loaded table before using them)."""
     get_in = getattr(model, "get_input_embeddings", None)
     embedding = get_in() if get_in is not None else None
-    if type(embedding) is not nn.Embedding or len(data) != embedding.num_embeddings:
-        return
-    rows = np.unique(np.linspace(0, len(data) - 1, 4).astype(int))
-    probe = KQuantLinear.from_gguf(kind, data[rows], embedding.embedding_dim).exact_weight()
-    if torch.equal(probe, embedding.weight.detach()[rows].float()):
+    if type(embedding) is nn.Embedding:
         setattr(embedding, ATTACHED, (kind, data))
 
 
