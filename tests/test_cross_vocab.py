@@ -457,9 +457,8 @@ def test_sampled_output_through_text_follows_the_target_and_the_test_has_power()
 def test_hf_universal_assisted_generation_baseline(tiny_model_dir):
     """``hf-assisted:draft=X`` with X's tokenizer other than the target's runs Hugging Face's
     universal assisted generation (both tokenizers passed to ``generate``), the baseline the
-    cross-tokenizer draft is measured against; its greedy output is the target's. (The
-    assistant is the bundled model: transformers' UAG fails with the tiny test models as
-    assistants, with 0 assistant tokens to prefill.)"""
+    cross-tokenizer draft is measured against; its greedy output is the target's, with the
+    bundled model as the assistant."""
     from specdec.bench.methods import build_runners, parse_methods
     from specdec.target.loading import default_gguf_path
 
@@ -469,3 +468,18 @@ def test_hf_universal_assisted_generation_baseline(tiny_model_dir):
     assert "assistant_tokenizer" in uag.kwargs  # type: ignore[attr-defined]
     prompt = target.tokenizer("ROMEO: But soft, what light through yonder")["input_ids"]
     assert uag.run(prompt, 16).token_ids == plain.run(prompt, 16).token_ids
+
+
+def test_hf_universal_assisted_generation_runs_past_a_pass_of_no_new_tokens(tiny64, dirs):
+    """transformers' UAG hands its assistant a pass of no new tokens when the target's tokens
+    bring none (an assistant that agrees with the target, as a permuted copy does, meets it
+    within a few steps); the baseline re-reads one token there and runs to the end, its greedy
+    output the target's."""
+    from specdec.bench.methods import build_runners, parse_methods
+
+    specs = parse_methods(f"none,hf-assisted:draft={dirs['split-and-special']}")
+    plain, uag = build_runners(tiny64, specs, 4)
+    assert "assistant_tokenizer" in uag.kwargs  # type: ignore[attr-defined]
+    for prompt in PROMPTS:
+        ids = tiny64.tokenizer(prompt)["input_ids"]
+        assert uag.run(ids, 40).token_ids == plain.run(ids, 40).token_ids, prompt

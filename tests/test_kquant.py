@@ -387,6 +387,8 @@ def test_auto_runs_the_bundled_file_in_its_own_blocks(tiny_model_dir):
     assert isinstance(table, KQuantEmbedding)
     some = ids.input_ids[0]
     assert torch.equal(table(some), fp32.model.get_input_embeddings()(some))
+    # a pass of no new tokens (Hugging Face's assisted generation hands its assistant one)
+    assert table(some[:0].view(1, 0)).shape == (1, 0, table.embedding_dim)
     assert loaded.identity()["embedding_sha256"] == fp32.identity()["embedding_sha256"]
     engine = SpeculativeEngine.from_pretrained(loaded, speculator="prompt-lookup")
     prompt = "Repeat: the cat sat on the mat, the cat sat on the mat, the cat sat on the"

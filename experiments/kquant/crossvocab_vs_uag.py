@@ -1,8 +1,9 @@
 """SmolLM2-135M (the bundled model) drafting for Qwen2.5-Coder-1.5B across tokenizers: specdec's
 text-chained draft against Hugging Face's universal assisted generation with the same draft,
 the same-vocabulary 0.5B draft and plain decoding, per prompt, interleaved, on one target object
-(default numerics). transformers 5.25's UAG raises on some prompts (its assistant is handed a
-pass of no new tokens); those are counted and left out of its ratios.
+(default numerics). transformers 5.25's UAG would raise where its assistant is handed a pass
+of no new tokens; the baseline re-reads one token there (``bench.methods``), and any prompt
+that still fails is counted and left out of its ratios.
 
     python experiments/kquant/crossvocab_vs_uag.py bench-out/pair28.jsonl 64 out.jsonl
 """

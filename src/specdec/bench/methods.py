@@ -100,7 +100,28 @@ class HFAssistedOptions(HFOptions):
         if tokenizer is not None and tokenizer.get_vocab() != loaded.tokenizer.get_vocab():
             # universal assisted generation (transformers' UAG): both tokenizers, text between
             kwargs.update(tokenizer=loaded.tokenizer, assistant_tokenizer=tokenizer)
+            _reread_last_token(draft)
         return kwargs
+
+
+def _reread_last_token(assistant: PreTrainedModel) -> None:
+    """Let universal assisted generation run to the end: when the target's new tokens bring
+    no new assistant token (their text re-tokenises to what the assistant already read),
+    transformers hands the assistant's ``generate`` a cache that holds its whole input, a pass
+    of no tokens, and fails (``IndexError`` on the empty logits). Dropping the cache's last
+    position makes that pass re-read one token, as assisted generation with one tokenizer
+    always does; every other call is unchanged."""
+    generate = assistant.generate
+
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        ids, cache = kwargs.get("input_ids"), kwargs.get("cache")
+        if ids is not None and cache is not None:
+            extra = cache.get_seq_length() - ids.shape[-1] + 1
+            if extra > 0:
+                cache.crop(-extra)  # this cache takes the count to drop, negated
+        return generate(*args, **kwargs)
+
+    assistant.generate = guarded  # type: ignore[method-assign]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -279,6 +279,8 @@ class KQuantLinear(nn.Module):
         self, codes: torch.Tensor, meta: torch.Tensor, d_: torch.Tensor, dmin_: torch.Tensor
     ) -> torch.Tensor:
         n, nb = codes.shape[0], self.padded_in // QK
+        if n == 0:  # no rows asked for (a pass of no new tokens)
+            return torch.zeros(0, self.in_features)
         if self.kind_id >= _LANE_SCALED:
             scales = meta.view(torch.float16).view(n, nb, 2, 8).float()
             q = self._codes(codes).view(n, nb, 8, 32).float()
