@@ -5,7 +5,8 @@ the same-vocabulary 0.5B draft and plain decoding, per prompt, interleaved, on o
 of no new tokens; the baseline re-reads one token there (``bench.methods``), and any prompt
 that still fails is counted and left out of its ratios.
 
-    python experiments/kquant/crossvocab_vs_uag.py bench-out/pair28.jsonl 64 out.jsonl
+    python experiments/crossvocab/crossvocab_vs_uag.py bench-out/pair28.jsonl 128 out.jsonl
+    python experiments/crossvocab/crossvocab_vs_uag.py bench-out/pair28.jsonl 128 out.jsonl gemma-3-270m
 """
 
 import json
@@ -20,18 +21,25 @@ from specdec.target.loading import default_gguf_path
 
 apply_thread_plan(None)
 data, n, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-target = load_model("qwen2.5-coder-1.5b")
+model = sys.argv[4] if len(sys.argv) > 4 else "qwen2.5-coder-1.5b"
+target = load_model(model)
 smol = default_gguf_path()
-labels = ["none", f"draft:model={smol}", f"hf-assisted:draft={smol}", "draft:qwen2.5-coder-0.5b"]
+labels = ["none", f"draft:model={smol}", f"hf-assisted:draft={smol}"]
+names = ["plain", "cross-vocab draft", "HF UAG"]
+if model == "qwen2.5-coder-1.5b":  # the same-vocabulary draft, where the target has one
+    labels.append("draft:qwen2.5-coder-0.5b")
+    names.append("0.5B draft")
 runners = build_runners(target, parse_methods(",".join(labels)), 5)
-names = ["plain", "cross-vocab draft", "HF UAG", "0.5B draft"]
 rows = []
 for line in open(data):
     q = json.loads(line)
     msgs = [{"role": "user", "content": q["turns"][0]}]
-    ids = target.tokenizer.apply_chat_template(
-        msgs, add_generation_prompt=True, tokenize=True, return_dict=False
-    )
+    if target.tokenizer.chat_template is None:  # a base model (Gemma 3 270M's pack): the text
+        ids = target.tokenizer(q["turns"][0])["input_ids"]
+    else:
+        ids = target.tokenizer.apply_chat_template(
+            msgs, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
     row = {"id": q["question_id"], "category": q["category"]}
     for name, runner in zip(names, runners, strict=True):
         try:
