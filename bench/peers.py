@@ -33,6 +33,12 @@ Writes ``results.json``, ``report.md`` and ``throughput.png`` into ``--out``. Us
     # a quick look on one core, bundled model only
     .venv/bin/python bench/peers.py --out bench-out/peers-smoke --targets bundled \\
         --clients 1,4 --requests 4 --max-tokens 16 --threads 1 --cores 1
+    # one client with core 1 kept busy by a spinning process (specdec picks its threads)
+    .venv/bin/python bench/peers.py --out bench-out/peers-busy --targets bundled \
+        --clients 1 --busy-core 1
+
+A spec may carry further ``specdec serve`` options: ``--specdec-qwen "prompt-lookup;
+prompt-lookup --prefill-chunk 32"`` runs two specdec servers.
 
 Exits non-zero when a server does not start, an answer is lost, or one of specdec's answers is
 mixed or truncated (a peer's "mixed" answers are its own numerics' and only reported).
@@ -283,12 +289,17 @@ def specs_for(
 
     gguf = default_gguf_path() if model is None else pack_gguf(model)
     out: list[Spec] = []
-    for sd in [s for s in getattr(args, f"specdec_{key}").split(";") if s]:
-        argv = [str(vi.SPECDEC), "serve", "--speculator", sd, "--max-batch", str(args.max_batch)]
-        argv += ["--max-queue", "256", "--threads", str(args.threads), "--log-level", "warning"]
+    for sd in [s for s in getattr(args, f"specdec_{key}").split(";") if s.strip()]:
+        # a spec, then any further `specdec serve` options ("prompt-lookup --prefill-chunk 32")
+        spec, *extra = shlex.split(sd)
+        argv = [str(vi.SPECDEC), "serve", "--speculator", spec, "--max-batch", str(args.max_batch)]
+        argv += ["--max-queue", "256", "--log-level", "warning"]
+        if args.busy_core is None:  # beside a busy core, its own plan picks the threads
+            argv += ["--threads", str(args.threads)]
         if model is not None:
             argv += ["--model", model]
-        out.append(Spec(f"{key}-specdec-{sd.split(':')[0]}", "specdec", argv))
+        name = "-".join([f"{key}-specdec-{spec.split(':')[0]}", *(e.lstrip("-") for e in extra)])
+        out.append(Spec(name, "specdec", [*argv, *extra]))
     if "vllm" in args.peers:
         plain, ngram, printed = vllm_commands(model, logs)
         note = f"`specdec export vllm prompt-lookup` printed `{printed}`"
@@ -427,8 +438,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("bench-out/peers"))
     ap.add_argument("--targets", default="bundled,qwen")
     ap.add_argument("--peers", default="vllm,llama", help="comma-separated: vllm, llama")
-    ap.add_argument("--specdec-bundled", default=DEFAULT_SPECS["bundled"], help="';'-separated")
-    ap.add_argument("--specdec-qwen", default=DEFAULT_SPECS["qwen"], help="';'-separated")
+    each = "';'-separated; each a spec, then any further `specdec serve` options"
+    ap.add_argument("--specdec-bundled", default=DEFAULT_SPECS["bundled"], help=each)
+    ap.add_argument("--specdec-qwen", default=DEFAULT_SPECS["qwen"], help=each)
     ap.add_argument("--skip", default="", help="servers not to run, by name (qwen-vllm-ngram,...)")
     ap.add_argument("--clients", default="1,4,16")
     ap.add_argument("--requests", type=int, default=8, help="per level (at least the clients)")
@@ -443,6 +455,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-venv", type=Path, default=REPO / ".venv-llamacpp")
     ap.add_argument("--llama-server", type=Path, default=None, help="a llama-server binary")
     ap.add_argument("--start-timeout", type=float, default=600.0)
+    ap.add_argument(
+        "--busy-core",
+        type=int,
+        default=None,
+        help="keep this core busy (a spinning process) for the whole run; specdec then "
+        "starts without --threads, so its core plan chooses",
+    )
     args = ap.parse_args(argv)
     try:
         args.clients = sorted({1, *(int(c) for c in args.clients.split(",") if c)})
@@ -478,6 +497,14 @@ def main(argv: list[str] | None = None) -> int:
     results["cpu_model"], _ = vi.cpu_model()
     prompts = [p["prompt"] for p in vi.select_prompts(args.prompts)]
     results["prompts"] = prompts
+    spinner = None
+    if args.busy_core is not None:
+        if args.busy_core not in vi.cpu_set(args.cores):
+            ap.error(f"--busy-core {args.busy_core} is not one of --cores {args.cores}")
+        spin = ["taskset", "-c", str(args.busy_core), sys.executable, "-c", "while True: pass"]
+        spinner = subprocess.Popen(spin, start_new_session=True)
+        vi.LIVE.append(spinner)
+        time.sleep(3)  # seen busy by the time the first server samples the cores
     try:
         if "vllm" in args.peers:
             vi.ensure_venv(args.venv, args.skip_install, logs, results.setdefault("setup", {}))

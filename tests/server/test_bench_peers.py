@@ -45,3 +45,27 @@ def test_only_specdec_answers_that_differ_from_solo_fail_the_run() -> None:
         }
     }
     assert peers.failures(results) == ["specdec at 4 clients: 1 mixed", "vllm: did not start"]
+
+
+def test_a_spec_carries_serve_options_and_a_busy_core_leaves_threads_to_the_plan(
+    tmp_path: Path,
+) -> None:
+    import argparse
+
+    args = argparse.Namespace(
+        specdec_bundled="prompt-lookup;prompt-lookup --prefill-chunk 32",
+        max_batch=16,
+        threads=2,
+        busy_core=None,
+        peers=set(),
+    )
+    plain, chunked = peers.specs_for("bundled", None, args, tmp_path, None)
+    assert (plain.name, chunked.name) == (
+        "bundled-specdec-prompt-lookup",
+        "bundled-specdec-prompt-lookup-prefill-chunk-32",
+    )
+    assert chunked.argv[-2:] == ["--prefill-chunk", "32"] and "--threads" in chunked.argv
+    args.busy_core = 1
+    assert all(
+        "--threads" not in s.argv for s in peers.specs_for("bundled", None, args, tmp_path, None)
+    )
