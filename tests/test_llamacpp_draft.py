@@ -123,6 +123,48 @@ def test_runner_rolls_back_exactly_and_requests_have_their_own_cache():
 
 
 @needs_llama
+def test_a_finished_requests_draft_context_is_freed_at_once(monkeypatch):
+    """A request's llama.cpp context (its draft KV cache, tens of MB for the Qwen 0.5B) goes
+    when the request does, not when the cyclic garbage collector next runs: a server's RSS
+    grew from 3 to 15 GB over 500 requests while runner and cache referred to each other."""
+    import gc
+    import weakref
+
+    from specdec.batch.scheduler import BatchScheduler
+    from specdec.config import GenerationConfig
+
+    runners: weakref.WeakSet[llamacpp.LlamaCppRunner] = weakref.WeakSet()
+    init = llamacpp.LlamaCppRunner.__init__
+
+    def tracked(self, *args, **kwargs) -> None:
+        init(self, *args, **kwargs)
+        runners.add(self)
+
+    monkeypatch.setattr(llamacpp.LlamaCppRunner, "__init__", tracked)
+    engine = SpeculativeEngine.from_pretrained(
+        None, speculator=f"draft:model={default_gguf_path()}"
+    )
+    sched = BatchScheduler(engine, max_batch=4)
+    ids = engine.tokenizer("Write a short poem about the sea.")["input_ids"]
+
+    def live() -> int:
+        return len(runners)
+
+    gc.collect()
+    before = live()
+    gc.disable()
+    try:
+        for _ in range(3):
+            for _ in range(4):
+                sched.add(ids, GenerationConfig(max_new_tokens=6, ignore_eos=True))
+            while not sched.idle:
+                sched.step()
+        assert live() == before  # the requests' forked runners are gone without a collection
+    finally:
+        gc.enable()
+
+
+@needs_llama
 def test_a_model_directory_is_refused_and_another_vocabulary_drafts_through_text(
     smol64, tiny_model_dir, tiny64
 ):

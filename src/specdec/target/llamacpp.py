@@ -28,6 +28,7 @@ import importlib.util
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,7 +76,10 @@ class _Cache:
     layout = _Layout()
 
     def __init__(self, runner: LlamaCppRunner) -> None:
-        self._runner = runner
+        # a weak reference: a strong one made runner and cache a cycle, so a finished
+        # request's context (tens of MB of KV cache) lived until the cyclic garbage collector
+        # ran, and a busy server's memory grew by gigabytes between collections
+        self._runner = weakref.proxy(runner)
         self.tokens: list[int] = []
 
     def __len__(self) -> int:
