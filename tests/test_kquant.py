@@ -12,6 +12,7 @@ a real Q4_K_M file is checked too where the Qwen pair is installed.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -164,6 +165,39 @@ def test_each_row_is_computed_alone_bit_for_bit(kind):
         assert torch.equal(layer(x), together)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_kernel_lets_other_python_threads_run():
+    """The kernel releases the GIL while it computes, so a server's HTTP thread can write the
+    last step's chunks meanwhile (holding it, every chunk waited for kernel calls to end)."""
+    import threading
+
+    layer = KQuantLinear.from_gguf("Q4_K", random_blocks("Q4_K", 4096, 2048, seed=4), 2048)
+    x = torch.randn(256, 2048)
+    ext = extension()  # built or loaded before anything is timed
+    ticks: list[float] = []
+    stop = threading.Event()
+
+    def spin() -> None:  # a Python thread noting the time whenever it gets to run
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0)  # hands the GIL over at once: the caller never waits for it
+
+    thread = threading.Thread(target=spin)
+    thread.start()
+    try:
+        windows = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            ext.kquant_mm(x, layer.codes, layer.meta, layer.d, layer.dmin, 0, False)
+            t1 = time.perf_counter()
+            windows.append((t0 + 0.25 * (t1 - t0), t1 - 0.25 * (t1 - t0)))
+    finally:
+        stop.set()
+        thread.join()
+    # with the GIL held through the call, the thread could not run in its middle half at all
+    inside = [sum(lo < t < hi for t in ticks) for lo, hi in windows]
+    assert all(n > 0 for n in inside), inside
 
 
 def test_the_simd_and_portable_paths_agree():

@@ -623,9 +623,16 @@ torch::Tensor kquant_mm(torch::Tensor x, torch::Tensor codes, torch::Tensor meta
 
 void register_layer_ops(pybind11::module& m);  // layer.cpp
 
+// The compute entry points release the GIL while they run: a server's HTTP thread then
+// writes the last step's chunks while the engine computes the next, instead of waiting for
+// each kernel call to return (they touch no Python object; pybind converts the arguments
+// before and the result after, holding the GIL).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("kquant_mm", &kquant_mm, "rows x GGUF quantised weights (kind: 0 Q4_K, 1 Q6_K, 2 Q5_K, 3-5 lane-scaled 4/5/8-bit codes), int8 activation blocks");
-  m.def("kquant_mm_on", &kquant_mm_on,
+  using release = pybind11::call_guard<pybind11::gil_scoped_release>;
+  m.def("kquant_mm", &kquant_mm, release(),
+        "rows x GGUF quantised weights (kind: 0 Q4_K, 1 Q6_K, 2 Q5_K, 3-5 lane-scaled 4/5/8-bit "
+        "codes), int8 activation blocks");
+  m.def("kquant_mm_on", &kquant_mm_on, release(),
         "kquant_mm on a given kernel path (0 portable, 1 AVX2, 2 AVX-512 VNNI): for tests");
   m.def("has_simd", &has_simd, "whether a SIMD path (AVX-512 VNNI or AVX2) runs on this CPU");
   m.def("best_path", &best_path, "the kernel path this CPU runs: 0 portable, 1 AVX2, 2 AVX-512");

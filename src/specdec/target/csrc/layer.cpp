@@ -278,7 +278,9 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor value
 }  // namespace
 
 void register_layer_ops(pybind11::module& m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm over the last axis, row by row (float32)");
-  m.def("rope_", &rope_, "rotate-half rotary embedding, in place, [T, heads, D]");
-  m.def("attention", &attention, "row-wise grouped-query attention over a cache view");
+  using release = pybind11::call_guard<pybind11::gil_scoped_release>;  // as kquant_mm's
+  m.def("rms_norm", &rms_norm, release(), "RMSNorm over the last axis, row by row (float32)");
+  m.def("rope_", &rope_, release(), "rotate-half rotary embedding, in place, [T, heads, D]");
+  m.def("attention", &attention, release(),
+        "row-wise grouped-query attention over a cache view");
 }
