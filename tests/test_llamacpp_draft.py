@@ -239,3 +239,17 @@ def test_a_failed_requantization_falls_back_only_for_the_default(smol_dir, monke
         SpeculativeEngine.from_pretrained(
             target, speculator=f"draft:model={default_gguf_path()},dtype=gguf-q4_0"
         )
+
+
+def test_a_gguf_draft_in_a_torch_dtype_is_loaded_from_its_file(smol64):
+    """``draft:model=FILE.gguf,dtype=float32`` runs the file's weights in torch (the file is
+    converted, as a GGUF target is); it was read as a model directory and refused."""
+    from specdec.target import ModelRunner
+
+    spec = f"draft:model={default_gguf_path()},dtype=float32"
+    engine = SpeculativeEngine.from_pretrained(smol64, speculator=spec)
+    assert isinstance(engine.speculator.runner, ModelRunner)  # type: ignore[attr-defined]
+    prompt = "Repeat: the cat sat on the mat, the cat sat on the mat, the cat"
+    fast = engine.generate(prompt, max_new_tokens=16)
+    assert fast.token_ids == engine.generate(prompt, max_new_tokens=16, speculate=False).token_ids
+    assert fast.stats.accepted_tokens > 0

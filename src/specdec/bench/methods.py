@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from transformers import PreTrainedModel
@@ -111,7 +111,7 @@ def _reread_last_token(assistant: PreTrainedModel) -> None:
     of no tokens, and fails (``IndexError`` on the empty logits). Dropping the cache's last
     position makes that pass re-read one token, as assisted generation with one tokenizer
     always does; every other call is unchanged."""
-    generate = assistant.generate
+    generate = cast("Callable[..., Any]", assistant.generate)
 
     def guarded(*args: Any, **kwargs: Any) -> Any:
         ids, cache = kwargs.get("input_ids"), kwargs.get("cache")
@@ -121,7 +121,7 @@ def _reread_last_token(assistant: PreTrainedModel) -> None:
                 cache.crop(-extra)  # this cache takes the count to drop, negated
         return generate(*args, **kwargs)
 
-    assistant.generate = guarded  # type: ignore[method-assign]
+    assistant.__dict__["generate"] = guarded  # this instance's, over the class's method
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -129,7 +129,10 @@ def _load_shared(spec: str, dtype: str, device: torch.device) -> LoadedModel:
     key = (spec, dtype, str(device))
     loaded = _LOADED.get(key)
     if loaded is None:
-        loaded = load_model(spec, dtype=dtype, device=device)
+        if spec.lower().endswith(".gguf") and Path(spec).is_file():  # a GGUF file, converted
+            loaded = load_model(gguf=spec, dtype=dtype, device=device)
+        else:
+            loaded = load_model(spec, dtype=dtype, device=device)
         _LOADED[key] = loaded
     return loaded
 
