@@ -497,13 +497,12 @@ def main(argv: list[str] | None = None) -> int:
     results["cpu_model"], _ = vi.cpu_model()
     prompts = [p["prompt"] for p in vi.select_prompts(args.prompts)]
     results["prompts"] = prompts
-    spinner = None
     if args.busy_core is not None:
         if args.busy_core not in vi.cpu_set(args.cores):
             ap.error(f"--busy-core {args.busy_core} is not one of --cores {args.cores}")
         spin = ["taskset", "-c", str(args.busy_core), sys.executable, "-c", "while True: pass"]
-        spinner = subprocess.Popen(spin, start_new_session=True)
-        vi.LIVE.append(spinner)
+        # stopped with the servers, at the end of the run
+        vi.LIVE.append(subprocess.Popen(spin, start_new_session=True))
         time.sleep(3)  # seen busy by the time the first server samples the cores
     try:
         if "vllm" in args.peers:

@@ -36,7 +36,7 @@ from specdec.speculators.spec import (
     parse_spec,
     split_specs,
 )
-from specdec.target import LoadedModel, early_exit_model, llamacpp, load_model
+from specdec.target import LoadedModel, early_exit_model, llamacpp, load_named
 
 REFERENCE = "none"  # plain decoding by our engine: the reference for speedups and identity
 LLAMACPP = "llamacpp"  # llama.cpp's plain decoding of the same file: the peer to beat
@@ -265,10 +265,7 @@ def _draft_model(loaded: LoadedModel, draft: str) -> tuple[PreTrainedModel, Any]
         return early_exit_model(loaded.model, int(draft.partition(":")[2])), None
     # a GGUF target's own-block numerics need the assistant's file too: its own choice then
     dtype = "auto" if loaded.dtype_name == "kquant" else loaded.dtype_name
-    if draft.lower().endswith(".gguf"):
-        assistant = load_model(gguf=draft, dtype=dtype)
-    else:
-        assistant = load_model(draft, dtype=dtype)
+    assistant = load_named(draft, dtype=dtype)
     return assistant.model, assistant.tokenizer
 
 

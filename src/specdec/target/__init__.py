@@ -10,7 +10,7 @@ target module); the kernels ``lowbit`` < ``kquant`` < ``kquant_layers`` and ``nu
 from specdec.target.base import Backend, backend_for, dtype_choices
 from specdec.target.early_exit import early_exit_model
 from specdec.target.hf import HFTarget, Target
-from specdec.target.loading import LoadedModel, default_gguf_path, load_model
+from specdec.target.loading import LoadedModel, default_gguf_path, load_model, load_named
 from specdec.target.runner import ModelRunner, TokenRunner
 
 __all__ = [
@@ -25,4 +25,5 @@ __all__ = [
     "dtype_choices",
     "early_exit_model",
     "load_model",
+    "load_named",
 ]

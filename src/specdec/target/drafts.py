@@ -26,7 +26,7 @@ from specdec.target.backends.lowbit import ANY_SHAPE, INT4
 from specdec.target.base import LoadedModel
 from specdec.target.checkpoints import gguf_tokenizer
 from specdec.target.llamacpp import LlamaCppRunner, LlamaModel
-from specdec.target.loading import load_model
+from specdec.target.loading import load_named
 from specdec.target.packs import is_pack, pack_gguf
 
 log = logging.getLogger(__name__)
@@ -129,10 +129,7 @@ def _load_shared(spec: str, dtype: str, device: torch.device) -> LoadedModel:
     key = (spec, dtype, str(device))
     loaded = _LOADED.get(key)
     if loaded is None:
-        if spec.lower().endswith(".gguf") and Path(spec).is_file():  # a GGUF file, converted
-            loaded = load_model(gguf=spec, dtype=dtype, device=device)
-        else:
-            loaded = load_model(spec, dtype=dtype, device=device)
+        loaded = load_named(spec, dtype=dtype, device=device)
         _LOADED[key] = loaded
     return loaded
 

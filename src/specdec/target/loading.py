@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -49,6 +50,7 @@ __all__ = [
     "is_converted",
     "choose_dtype",
     "load_model",
+    "load_named",
 ]
 
 AUTO = "auto"
@@ -83,6 +85,14 @@ def load_model(
     loaded = backend_for(dtype).load(dtype, source)
     loaded.numerics_note = note
     return loaded
+
+
+def load_named(spec: str, **kwargs: Any) -> LoadedModel:
+    """:func:`load_model` for a model named by one string, as a draft or assistant spec names
+    it: a ``.gguf`` file (converted, as ``gguf=`` is), a model directory or a pack alias."""
+    if spec.lower().endswith(".gguf"):
+        return load_model(gguf=spec, **kwargs)
+    return load_model(spec, **kwargs)
 
 
 def choose_dtype(source: ModelSource) -> tuple[str, str | None]:
