@@ -86,6 +86,9 @@ def test_bad_configs(tiny_model_dir, other_vocab_model_dir, tmp_path):
     for chunk in (0, 2.5, True):
         with pytest.raises(ConfigError, match="prefill_chunk"):
             ServerConfig(model_name="m", prefill_chunk=chunk)  # type: ignore[arg-type]
+    for slowdown in (0.5, float("nan"), "2", True):
+        with pytest.raises(ConfigError, match="prefill_slowdown must be >= 1"):
+            ServerConfig(model_name="m", prefill_slowdown=slowdown)  # type: ignore[arg-type]
 
 
 def test_missing_and_corrupt_models(tiny_model_dir, tmp_path):

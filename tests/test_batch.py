@@ -306,6 +306,58 @@ def test_prefill_is_chunked_while_others_run(tiny64):
     assert max(fed) <= 8 and len(fed) >= len(long_ids) // 8
 
 
+def test_a_step_beside_a_full_batch_of_dear_rows_takes_fewer_prompt_tokens(tiny64):
+    """A step's prompt tokens and drafts are priced by the measured passes: where every row
+    costs (a large model) a step computes only as many rows as keep it within ``slowdown``
+    times a full batch's plain step, so a full batch takes fewer prompt tokens a step than a
+    small one; where rows are nearly free (a small model) the whole chunk. Never fewer than
+    16 prompt tokens, never more than the chunk; all at once when nothing decodes."""
+    from specdec.batch.scheduler import MIN_PROMPT_TOKENS, PACK_LIMIT
+    from specdec.control.batch import BatchCosts
+
+    engine = SpeculativeEngine.from_pretrained(tiny64)
+
+    def priced(a: float, b: float, **kwargs) -> BatchScheduler:
+        scheduler = BatchScheduler(engine, max_batch=16, chunk=64, **kwargs)
+        scheduler.pass_costs = BatchCosts(engine.cost_model)
+        for rows in (4, 16, 40, 80):
+            scheduler.pass_costs.observe(rows, a + b * rows)
+        return scheduler
+
+    fresh = BatchScheduler(engine, chunk=64)
+    assert fresh.step_rows(4) is None and fresh.prompt_budget(4) == MIN_PROMPT_TOKENS
+    dear = priced(0.04, 0.01)  # T(16) = 0.2 s: no step above 0.4 s, i.e. 36 rows
+    assert [dear.step_rows(d) for d in (1, 4, 16)] == [36, 36, 36]
+    assert dear.prompt_budget(16) == 20
+    assert dear.prompt_budget(4) == 32
+    assert dear.prompt_budget(0) == PACK_LIMIT
+    assert priced(0.04, 0.01, slowdown=1.2).prompt_budget(16) == MIN_PROMPT_TOKENS
+    assert priced(0.04, 0.01, slowdown=4.0).prompt_budget(16) == 60  # 0.8 s: 76 rows
+    cheap = priced(0.02, 0.0002)  # fixed cost dominates: the chunk is nearly free
+    assert cheap.prompt_budget(16) == 64
+    small_chunk = BatchScheduler(engine, chunk=8)
+    small_chunk.pass_costs = dear.pass_costs
+    assert small_chunk.prompt_budget(16) == 8  # the chunk caps the floor too
+    for bad in (0.5, float("nan"), True, "2"):
+        with pytest.raises(ConfigError, match="slowdown"):
+            BatchScheduler(engine, slowdown=bad)  # type: ignore[arg-type]
+
+
+def test_batch_budget_keeps_drafts_within_the_steps_row_limit():
+    """Drafts that pay for themselves in tokens per second are still cut where they would take
+    the pass past the scheduler's row limit (the slowest gap between tokens)."""
+    from specdec.control.batch import BatchBudget, BatchCosts, Candidate
+    from specdec.control.budget import CostModel
+
+    cheap = BatchCosts(CostModel(prior_slope=0.01, frozen=True))
+    sure = [Candidate([0.95] * 4, 4)] * 8
+    assert BatchBudget(4, cheap).choose(sure) == [4] * 8  # 40 rows
+    limited = BatchBudget(4, cheap).choose(sure, max_rows=24)
+    assert sum(limited) + 8 <= 24 and sum(limited) > 0
+    assert BatchBudget(4, cheap).choose(sure, max_rows=8) == [0] * 8
+    assert sum(BatchBudget(4, cheap).choose(sure, prompt=10, max_rows=20)) <= 2  # 8 + 10 + 2
+
+
 def test_bad_batch_arguments_are_refused(tiny64):
     engine = SpeculativeEngine.from_pretrained(tiny64)
     with pytest.raises(ConfigError, match="max_batch"):

@@ -194,11 +194,12 @@ def _tiny_fleet(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     cli: dict[str, CliRun] = {}
     try:
         # The main server of the suite: prompt-lookup speculation, room for 64 waiting requests,
-        # prompts entering the batch at most 8 tokens a step (most of them over several steps).
+        # prompts entering the batch at most 8 tokens a step (most of them over several steps),
+        # a step carrying them at most 1.5 full-batch steps.
         started.append(
             Server(
                 [*model, "--speculator", "prompt-lookup", "--max-queue", "64"]
-                + ["--prefill-chunk", "8"],
+                + ["--prefill-chunk", "8", "--prefill-slowdown", "1.5"],
                 logs / "tiny.log",
             )
         )

@@ -3,18 +3,20 @@
 A step (:meth:`BatchScheduler.step`) does, in order:
 
 1. drop the sequences cancelled since the last step (their rows are freed now);
-2. admit: up to ``chunk`` prompt tokens of prefilling sequences, oldest first (a long prompt
-   takes several steps, so it delays the running sequences by one chunk per step at most); a
-   waiting sequence gets a row when a row is free and the chunk has room for it;
+2. admit: prompt tokens of prefilling sequences, oldest first, as many as keep the step within
+   ``slowdown`` (2) times the measured cost of a full batch's plain step (at least 16, at most
+   ``chunk``; a long prompt takes several steps, so it delays the running sequences by that
+   much per step at most); a waiting sequence gets a row when a row is free and the budget
+   has room for it;
 3. one pass: every running sequence drafts (greedy ones the length :class:`BatchBudget` chose
-   for the batch, sampled ones their own timing-free budget), and one target pass verifies all
-   the trees *and* carries the step's prompt tokens ahead of their rows' trees (the chunk rides
-   the pass: on a CPU it costs its rows, not another pass over the weights). A sequence whose
-   prompt completes in this pass drafts and is verified in it too (its first token comes from
-   this pass), unless its speculator reads the target's hidden states, which its last chunk
-   only now computes: it decodes from the next step. Each sequence's rule accepts with its own
-   generator, every row commits its prefix and path, and each sequence emits its event;
-   finished sequences leave.
+   for the batch within the same limit on the step's rows, sampled ones their own timing-free
+   budget), and one target pass verifies all the trees *and* carries the step's prompt tokens
+   ahead of their rows' trees (the chunk rides the pass: on a CPU it costs its rows, not another
+   pass over the weights). A sequence whose prompt completes in this pass drafts and is verified
+   in it too (its first token comes from this pass), unless its speculator reads the target's
+   hidden states, which its last chunk only now computes: it decodes from the next step. Each
+   sequence's rule accepts with its own generator, every row commits its prefix and path, and
+   each sequence emits its event; finished sequences leave.
 
 With a padded target (an eager-attention model, :attr:`BatchTarget.packed` false) a prompt
 chunk would pad every row of the pass to its width, so prompts are prefilled in passes of
@@ -50,6 +52,8 @@ from specdec.tree import DraftTree
 
 _ids = itertools.count()
 PACK_LIMIT = 1024  # prompt tokens prefilled in one pass when nothing runs yet
+MIN_PROMPT_TOKENS = 16  # prompt tokens a step beside decoding sequences carries at least
+DEFAULT_SLOWDOWN = 2.0
 
 
 @dataclass(eq=False)
@@ -85,9 +89,12 @@ class BatchScheduler:
     (one thread owns it, as one owns an engine).
 
     ``max_batch`` caps the running sequences; more wait (prefill starts when a row is free).
-    ``chunk`` is the prefill token budget per step. ``fused`` (default: whenever passes are
-    packed) carries prompt chunks in the verification passes; ``False`` prefills them in
-    passes of their own, as a padded target must (for comparing the two)."""
+    ``chunk`` is the most prompt tokens a step carries while others decode; ``slowdown`` caps
+    what its prompt tokens and drafts may add to a step: it costs at most that many times a
+    full batch's plain step, by the costs measured on this machine (:meth:`step_rows`).
+    ``fused`` (default: whenever passes are packed) carries prompt chunks in the verification
+    passes; ``False`` prefills them in passes of their own, as a padded target must (for
+    comparing the two)."""
 
     def __init__(
         self,
@@ -95,12 +102,18 @@ class BatchScheduler:
         *,
         max_batch: int = 8,
         chunk: int = DEFAULT_CHUNK,
+        slowdown: float = DEFAULT_SLOWDOWN,
         fused: bool | None = None,
     ) -> None:
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ConfigError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise ConfigError(f"the prefill chunk must be an integer >= 1, got {chunk!r}")
+        if isinstance(slowdown, bool) or not isinstance(slowdown, int | float) or not slowdown >= 1:
+            raise ConfigError(
+                f"the prefill slowdown must be a number >= 1 (a multiple of a step's cost), "
+                f"got {slowdown!r}"
+            )
         if not engine.batchable or not isinstance(engine.target, HFTarget):
             raise ConfigError(
                 "batched decoding needs a Hugging Face target (SpeculativeEngine.from_pretrained)"
@@ -108,10 +121,13 @@ class BatchScheduler:
         self.engine = engine
         self.max_batch = max_batch
         self.chunk = chunk
+        self.slowdown = float(slowdown)
         self.target = BatchTarget(engine.target.loaded, chunk=chunk)
         if engine.reads_features:
             self.target.enable_features(engine.feature_layers)
         self.costs = BatchCosts(engine.cost_model)
+        # T(rows) of every pass, prompt rows included: what a step's prompt tokens add to it
+        self.pass_costs = BatchCosts(engine.cost_model)
         self.budget = BatchBudget(engine.num_draft_tokens, self.costs, packed=self.target.packed)
         self.waiting: deque[BatchSequence] = deque()
         self.rows: list[BatchSequence] = []  # index = row in the batch cache
@@ -218,13 +234,48 @@ class BatchScheduler:
             seq.finished = True
             self.engine.end_request(seq.req)
 
+    def step_rows(self, decoding: int) -> int | None:
+        """The most rows a step beside ``decoding`` decoding sequences may compute, prompt
+        tokens and drafted nodes included: as many as keep it within ``slowdown`` times a full
+        batch's plain step, on the line fitted to this scheduler's passes (``None`` before two
+        pass sizes are measured).
+
+        Every decoding client waits for the step, so what a step's extra rows add is what their
+        gaps between tokens grow by. On a CPU a row costs about the same whether it is a prompt
+        token, a drafted node or a decoded token once the pass is bound by arithmetic, so a
+        fixed prompt chunk (or a long draft) beside a full batch of a large model makes the
+        slowest steps several times a plain one: the p99 gap. On a small model, whose passes
+        cost mostly their fixed part, the same rows are nearly free, and the limit is far above
+        them. A small batch may take more rows a step than a full one (fewer steps, each with
+        fewer clients waiting), but no step costs more than ``slowdown`` full-batch steps."""
+        line = self.pass_costs.line()
+        if line is None or line[1] <= 0:
+            return None
+        slope = line[1]
+        limit = self.slowdown * self.pass_costs.cost(max(self.max_batch, decoding))
+        return decoding + int((limit - self.pass_costs.cost(decoding)) / slope + 1e-9)
+
+    def prompt_budget(self, decoding: int) -> int:
+        """The prompt tokens a step may carry beside ``decoding`` decoding sequences: what
+        :meth:`step_rows` leaves after one row each, at least ``MIN_PROMPT_TOKENS`` (a prompt
+        always progresses), at most ``chunk``; the floor until the passes are measured. With
+        nothing decoding no one waits: up to ``PACK_LIMIT``. The total work does not change
+        (each prompt token is one row either way); a smaller budget spreads it over more steps,
+        each of which also decodes the running sequences."""
+        if decoding == 0:
+            return max(self.chunk, PACK_LIMIT)
+        floor = min(self.chunk, MIN_PROMPT_TOKENS)
+        rows = self.step_rows(decoding)
+        if rows is None:
+            return floor
+        return max(floor, min(self.chunk, rows - decoding))
+
     def _admit(self) -> dict[int, list[int]]:
         """This step's prompt tokens per sequence id (see the module doc): the prefilling rows
-        first, oldest first, then waiting sequences given rows while the chunk has room. At
+        first, oldest first, then waiting sequences given rows while the budget has room. At
         most one prompt is left part-way, the last admitted, so every prefilling row has tokens
         in every pass. With nothing decoding there is no one to delay: up to ``PACK_LIMIT``."""
-        decoding = len(self.prefilling) < len(self.rows)
-        budget = self.chunk if decoding else max(self.chunk, PACK_LIMIT)
+        budget = self.prompt_budget(len(self.rows) - len(self.prefilling))
         plan: dict[int, list[int]] = {}
         partial = False
 
@@ -336,7 +387,8 @@ class BatchScheduler:
             chosen = set(sized)
             k_max = engine.num_draft_tokens
             others = [1 + min(budgets[i], k_max) for i in rows if i not in chosen]
-            lengths = self.budget.choose(candidates, others, extra)
+            decoding = len(self.rows) - len(self.prefilling)
+            lengths = self.budget.choose(candidates, others, extra, self.step_rows(decoding))
             for i, c, k in zip(sized, candidates, lengths, strict=True):
                 budgets[i] = min(k, c.cap)
             length = max(lengths, default=0)
@@ -380,6 +432,7 @@ class BatchScheduler:
         paths = [accepted[r][0].path if r in accepted else None for r in range(len(self.rows))]
         self.target.commit(paths)
         seconds = time.perf_counter() - t1
+        self.pass_costs.observe(self.target.last_rows, seconds)
         drafted = any(len(proposals[r].tree) > 1 for r in verified)
         if not extra:
             # T(rows) is learnt from passes of trees alone: a prompt token skips the LM head, so

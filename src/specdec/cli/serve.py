@@ -72,6 +72,14 @@ def serve(
             "smaller keeps their inter-token latency down, larger admits newcomers sooner."
         ),
     ] = 64,
+    prefill_slowdown: Annotated[
+        float,
+        typer.Option(
+            help="Most a step carrying prompt tokens may cost, as a multiple of a step of the "
+            "decoding requests alone (measured as it serves): 1 admits 16 tokens a step, "
+            "higher admits newcomers sooner at the others' inter-token latency."
+        ),
+    ] = 2.0,
     request_timeout: Annotated[
         float, typer.Option(help="Seconds a request may spend queued plus decoding.")
     ] = 300.0,
@@ -90,6 +98,7 @@ def serve(
             max_batch=max_batch,
             request_timeout=request_timeout,
             prefill_chunk=prefill_chunk,
+            prefill_slowdown=prefill_slowdown,
         )
         engine = load_engine(
             model,

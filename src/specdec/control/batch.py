@@ -191,11 +191,7 @@ class BatchBudget:
         ``prompt_share`` is their own cost, left out of the price, and ``plain`` is T(the
         pass's rows without drafts), from which drafts' time is scaled (see :meth:`choose`)."""
         takes = [s.takes(k) for s, k in zip(seqs, lengths, strict=True)]
-        if self.packed:
-            rows = sum(others) + sum(1 + nodes for nodes, _ in takes)
-        else:
-            width = max(max(others, default=1), 1 + max(nodes for nodes, _ in takes))
-            rows = (len(seqs) + len(others)) * width
+        rows = self._rows(takes, others)
         seconds = self.costs.cost(rows + prompt) - prompt_share
         if prompt and self.packed and any(lengths):
             seconds = plain + self.chunk_margin * (seconds - plain)
@@ -205,6 +201,13 @@ class BatchBudget:
         pairs = zip(seqs, takes, strict=True)
         tokens = sum(expected_tokens(list(s.alphas), depth) for s, (_, depth) in pairs)
         return tokens / seconds if seconds > 0 else 0.0
+
+    def _rows(self, takes: Sequence[tuple[int, int]], others: Sequence[int]) -> int:
+        """The pass's rows (prompt tokens aside) when the sized sequences bring ``takes``."""
+        if self.packed:
+            return sum(others) + sum(1 + nodes for nodes, _ in takes)
+        width = max(max(others, default=1), 1 + max(nodes for nodes, _ in takes))
+        return (len(takes) + len(others)) * width
 
     def _allocations(self, seqs: Sequence[Candidate], tops: Sequence[int]) -> list[list[int]]:
         """The allocations worth pricing: the most valuable nodes first (each sequence's in
@@ -228,12 +231,18 @@ class BatchBudget:
         return out
 
     def choose(
-        self, seqs: Sequence[Candidate], others: Sequence[int] = (), prompt: int = 0
+        self,
+        seqs: Sequence[Candidate],
+        others: Sequence[int] = (),
+        prompt: int = 0,
+        max_rows: int | None = None,
     ) -> list[int]:
         """Each sequence's draft length (it drafts, or keeps, ``min(length, its draft)``).
         ``others`` are the tree sizes (nodes, root included) of the pass's sequences not sized
         here: sampled or plain ones, with their own drafts. ``prompt`` is the prompt tokens
-        the pass carries for prefilling rows.
+        the pass carries for prefilling rows. ``max_rows`` caps the pass's rows, prompt tokens
+        included: an allocation that would exceed it is not priced (the scheduler's limit on
+        a step's cost, so a draft cannot make the slowest gap between tokens).
 
         The prompt chunk's own share of the pass, T(plain rows + prompt) - T(plain rows), is
         left out of the price: it is paid whether or not anyone drafts. Counting it made every
@@ -268,6 +277,10 @@ class BatchBudget:
             plain = self.costs.cost(sum(others) + len(seqs))  # prompts ride packed passes only
             share = self.costs.cost(sum(others) + len(seqs) + prompt) - plain
         for lengths in self._allocations(seqs, tops):
+            if max_rows is not None and any(lengths):
+                takes = [s.takes(k) for s, k in zip(seqs, lengths, strict=True)]
+                if self._rows(takes, others) + prompt > max_rows:
+                    continue
             rate = self._rate(seqs, lengths, others, prompt, share, plain)
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = lengths, rate
@@ -278,10 +291,13 @@ class BatchBudget:
                 if probed:  # the probe's pass confirmed it: probe half as often (to 32x)
                     self._gap = min(2 * self._gap, 32 * self.probe_every)
                 self._idle += 1
-                if self._idle >= self._gap and not prompt:  # never in the slowest step
+                probe = [min(1, top) for top in tops]
+                takes = [s.takes(k) for s, k in zip(seqs, probe, strict=True)]
+                fits = max_rows is None or self._rows(takes, others) <= max_rows
+                if self._idle >= self._gap and not prompt and fits:  # never in the slowest step
                     self._idle = 0
                     self._probed = True
-                    return [min(1, top) for top in tops]
+                    return probe
             return best
         self._gap = self.probe_every
         self._idle = 0

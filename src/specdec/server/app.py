@@ -148,6 +148,7 @@ class _Service:
                 max_batch=config.max_batch,
                 max_queue=config.max_queue,
                 chunk=config.prefill_chunk,
+                slowdown=config.prefill_slowdown,
             )
             worker.on_step = self._observe_step
             self.worker = worker

@@ -61,11 +61,17 @@ class BatchWorker(Worker):
     thread_name = "specdec-batch"
 
     def __init__(
-        self, engine: SpeculativeEngine, *, max_batch: int, max_queue: int, chunk: int = 64
+        self,
+        engine: SpeculativeEngine,
+        *,
+        max_batch: int,
+        max_queue: int,
+        chunk: int = 64,
+        slowdown: float = 2.0,
     ) -> None:
         self.engine = engine
         self.max_batch = max_batch
-        self.scheduler = BatchScheduler(engine, max_batch=max_batch, chunk=chunk)
+        self.scheduler = BatchScheduler(engine, max_batch=max_batch, chunk=chunk, slowdown=slowdown)
         self._jobs: dict[int, tuple[Job, BatchSequence]] = {}
         self._in_batch = 0  # read by the queue's bound from the event loop's thread
         self._queue = BatchJobQueue(max_queue, lambda: max(0, self.max_batch - self._in_batch))

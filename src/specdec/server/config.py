@@ -21,8 +21,11 @@ class ServerConfig:
     spec the engine was built from (``specdec serve --speculator``), reported by ``/health`` and
     ``/v1/models`` next to the speculator's name, so an operator sees its options too.
     ``prefill_chunk`` is the most prompt tokens a step carries while other requests decode
-    (chunked prefill): larger admits newcomers in fewer steps (throughput, time to first
-    token), smaller keeps the others' inter-token latency down.
+    (chunked prefill): larger admits newcomers in fewer steps (time to first token), smaller
+    keeps the others' inter-token latency down. ``prefill_slowdown`` prices that chunk: a step
+    carrying prompt tokens may cost at most this many times a step of the decoding requests
+    alone, by the pass costs the scheduler measures (so a full batch of a large model takes a
+    few prompt tokens per step, a small model the whole chunk).
     """
 
     model_name: str
@@ -34,6 +37,7 @@ class ServerConfig:
     default_max_tokens: int = 512
     max_body_bytes: int = 8 * 1024 * 1024
     prefill_chunk: int = 64
+    prefill_slowdown: float = 2.0
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -46,6 +50,11 @@ class ServerConfig:
             raise ConfigError(f"prefill_chunk must be an integer, got {self.prefill_chunk!r}")
         if self.prefill_chunk < 1:
             raise ConfigError(f"prefill_chunk must be >= 1 prompt token, got {self.prefill_chunk}")
+        slowdown = self.prefill_slowdown
+        if isinstance(slowdown, bool) or not isinstance(slowdown, int | float) or not slowdown >= 1:
+            raise ConfigError(
+                f"prefill_slowdown must be >= 1 (a multiple of a step's cost), got {slowdown!r}"
+            )
         if self.max_queue < 0:
             raise ConfigError(f"max_queue must be >= 0, got {self.max_queue}")
         if not self.request_timeout > 0:
