@@ -7,6 +7,10 @@ that still fails is counted and left out of its ratios.
 
     python experiments/crossvocab/crossvocab_vs_uag.py bench-out/pair28.jsonl 128 out.jsonl
     python experiments/crossvocab/crossvocab_vs_uag.py bench-out/pair28.jsonl 128 out.jsonl gemma-3-270m
+    python experiments/crossvocab/crossvocab_vs_uag.py bench-out/pair28.jsonl 128 out.jsonl qwen2.5-coder-1.5b auto
+
+With ``auto`` last: ``auto`` over prompt lookup and the same cross-vocabulary draft in place of
+the 0.5B draft (what a user of that draft would run; HF's UAG has no such second arm).
 """
 
 import json
@@ -22,11 +26,15 @@ from specdec.target.loading import default_gguf_path
 apply_thread_plan(None)
 data, n, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 model = sys.argv[4] if len(sys.argv) > 4 else "qwen2.5-coder-1.5b"
+with_auto = len(sys.argv) > 5 and sys.argv[5] == "auto"
 target = load_model(model)
 smol = default_gguf_path()
 labels = ["none", f"draft:model={smol}", f"hf-assisted:draft={smol}"]
 names = ["plain", "cross-vocab draft", "HF UAG"]
-if model == "qwen2.5-coder-1.5b":  # the same-vocabulary draft, where the target has one
+if with_auto:
+    labels.append(f"auto:arms=[prompt-lookup,draft:model={smol}]")
+    names.append("auto (prompt lookup + cross-vocab draft)")
+elif model == "qwen2.5-coder-1.5b":  # the same-vocabulary draft, where the target has one
     labels.append("draft:qwen2.5-coder-0.5b")
     names.append("0.5B draft")
 runners = build_runners(target, parse_methods(",".join(labels)), 5)
@@ -70,3 +78,7 @@ print("cross-vocab / HF UAG on the prompts UAG ran:",
       round(geo([r["cross-vocab draft"]["tok_s"] / r["HF UAG"]["tok_s"] for r in both]), 2))
 code = [r for r in both if r["category"] == "code"]
 print("  code:", round(geo([r["cross-vocab draft"]["tok_s"] / r["HF UAG"]["tok_s"] for r in code]), 2))
+if with_auto:
+    a = names[-1]
+    print(f"{a} / HF UAG:", round(geo([r[a]["tok_s"] / r["HF UAG"]["tok_s"] for r in both]), 2))
+    print("  code:", round(geo([r[a]["tok_s"] / r["HF UAG"]["tok_s"] for r in code]), 2))
