@@ -2,7 +2,7 @@
 bench's 16-client level, in process): its time, rows, prompt tokens and drafts, to see which
 steps make the p99 inter-token latency.
 
-    python experiments/servers/step_log.py out.json [spec] [chunk]
+    python experiments/servers/step_log.py out.json [spec] [chunk] [slowdown] [model]
 """
 
 import json
@@ -15,15 +15,18 @@ import vllm_interop as vi  # noqa: E402
 from specdec import GenerationConfig, SpeculativeEngine  # noqa: E402
 from specdec.batch.scheduler import BatchScheduler  # noqa: E402
 from specdec.cores import apply_thread_plan  # noqa: E402
+from specdec.target.loading import load_named  # noqa: E402
 
 out = sys.argv[1]
 spec = sys.argv[2] if len(sys.argv) > 2 else "prompt-lookup"
 chunk = int(sys.argv[3]) if len(sys.argv) > 3 else 64
+slowdown = float(sys.argv[4]) if len(sys.argv) > 4 else 2.0
+model = sys.argv[5] if len(sys.argv) > 5 else "qwen2.5-coder-1.5b"
 apply_thread_plan(None)
-engine = SpeculativeEngine.from_pretrained("qwen2.5-coder-1.5b", speculator=spec)
+engine = SpeculativeEngine.from_pretrained(load_named(model), speculator=spec)
 tok = engine.tokenizer
 prompts = [p["prompt"] for p in vi.select_prompts(8)]
-sched = BatchScheduler(engine, max_batch=16, chunk=chunk)
+sched = BatchScheduler(engine, max_batch=16, chunk=chunk, slowdown=slowdown)
 config = GenerationConfig(max_new_tokens=128, ignore_eos=True)
 for i in range(16):
     ids = tok.apply_chat_template(
