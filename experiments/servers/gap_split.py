@@ -11,9 +11,8 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
-
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -26,9 +25,25 @@ out = Path(sys.argv[1])
 extra = sys.argv[2:]
 port = 18711
 cmd = [
-    "taskset", "-c", "0-1", str(Path(sys.executable).parent / "specdec"), "serve",
-    "--model", "qwen2.5-coder-1.5b", "--speculator", "prompt-lookup", "--max-batch", "16",
-    "--max-queue", "256", "--threads", "2", "--log-level", "warning", "--port", str(port),
+    "taskset",
+    "-c",
+    "0-1",
+    str(Path(sys.executable).parent / "specdec"),
+    "serve",
+    "--model",
+    "qwen2.5-coder-1.5b",
+    "--speculator",
+    "prompt-lookup",
+    "--max-batch",
+    "16",
+    "--max-queue",
+    "256",
+    "--threads",
+    "2",
+    "--log-level",
+    "warning",
+    "--port",
+    str(port),
     *extra,
 ]
 proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
@@ -56,8 +71,12 @@ try:
 
     with ThreadPoolExecutor(16) as pool:  # peers.py's 16-client level: 16 requests at once
         answers = list(
-            pool.map(lambda i: vi.chat(url, "qwen2.5-coder-1.5b", prompts[i % 8], 128,
-                                       {"ignore_eos": True}), range(16))
+            pool.map(
+                lambda i: vi.chat(
+                    url, "qwen2.5-coder-1.5b", prompts[i % 8], 128, {"ignore_eos": True}
+                ),
+                range(16),
+            )
         )
     after = httpx.get(f"{url}/metrics").text
 finally:
@@ -67,15 +86,28 @@ b0, b1 = buckets(before), buckets(after)
 engine = {le: b1[le] - b0.get(le, 0.0) for le in b1}
 total = engine[float("inf")]
 gaps = [g for a in answers for g in a.get("gaps", [])]
-print(f"{len(gaps)} client gaps, p50 {np.percentile(gaps, 50):.3f} s, p99 {np.percentile(gaps, 99):.3f} s;"
-      f" {int(total)} engine-side gaps")
+print(
+    f"{len(gaps)} client gaps, p50 {np.percentile(gaps, 50):.3f} s, p99 {np.percentile(gaps, 99):.3f} s;"
+    f" {int(total)} engine-side gaps"
+)
 rows = []
 for le in sorted(engine):
     if le == float("inf") or le < 0.1:
         continue
     client = sum(g > le for g in gaps) / len(gaps)
     rows.append({"above_s": le, "engine_share": 1 - engine[le] / total, "client_share": client})
-    print(f"gaps above {le:5.2f} s: engine-side {100 * (1 - engine[le] / total):5.1f}%, "
-          f"at the clients {100 * client:5.1f}%")
-out.write_text(json.dumps({"command": cmd, "engine_buckets": {str(k): v for k, v in engine.items()},
-                           "client_gaps": gaps, "rows": rows}, indent=1))
+    print(
+        f"gaps above {le:5.2f} s: engine-side {100 * (1 - engine[le] / total):5.1f}%, "
+        f"at the clients {100 * client:5.1f}%"
+    )
+out.write_text(
+    json.dumps(
+        {
+            "command": cmd,
+            "engine_buckets": {str(k): v for k, v in engine.items()},
+            "client_gaps": gaps,
+            "rows": rows,
+        },
+        indent=1,
+    )
+)
