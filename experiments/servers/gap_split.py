@@ -5,6 +5,9 @@ request as the engine thread produced them, before any delivery) against the gap
 clients saw, as the share of gaps above each bucket bound.
 
     python experiments/servers/gap_split.py out.json [extra serve options...]
+
+The server's environment is this process's (so ``OMP_WAIT_POLICY=passive python ...`` reaches
+the server's OpenMP threads).
 """
 
 import json
@@ -69,6 +72,7 @@ try:
             if s.name.endswith("_bucket")
         }
 
+    began = time.perf_counter()
     with ThreadPoolExecutor(16) as pool:  # peers.py's 16-client level: 16 requests at once
         answers = list(
             pool.map(
@@ -78,6 +82,7 @@ try:
                 range(16),
             )
         )
+    wall = time.perf_counter() - began
     after = httpx.get(f"{url}/metrics").text
 finally:
     proc.terminate()
@@ -86,6 +91,8 @@ b0, b1 = buckets(before), buckets(after)
 engine = {le: b1[le] - b0.get(le, 0.0) for le in b1}
 total = engine[float("inf")]
 gaps = [g for a in answers for g in a.get("gaps", [])]
+tokens = sum(a.get("completion_tokens") or 0 for a in answers)
+print(f"{tokens} tokens in {wall:.1f} s: {tokens / wall:.1f} tok/s")
 print(
     f"{len(gaps)} client gaps, p50 {np.percentile(gaps, 50):.3f} s, p99 {np.percentile(gaps, 99):.3f} s;"
     f" {int(total)} engine-side gaps"
