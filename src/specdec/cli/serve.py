@@ -75,9 +75,9 @@ def serve(
     prefill_slowdown: Annotated[
         float,
         typer.Option(
-            help="Most a step carrying prompt tokens may cost, as a multiple of a step of the "
-            "decoding requests alone (measured as it serves): 1 admits 16 tokens a step, "
-            "higher admits newcomers sooner at the others' inter-token latency."
+            help="Most a step carrying prompt tokens or drafts may cost, as a multiple of a "
+            "full batch's plain step (measured as it serves; at least 16 prompt tokens a step): "
+            "higher admits newcomers sooner, at the others' worst inter-token gap."
         ),
     ] = 2.0,
     request_timeout: Annotated[

@@ -22,10 +22,10 @@ class ServerConfig:
     ``/v1/models`` next to the speculator's name, so an operator sees its options too.
     ``prefill_chunk`` is the most prompt tokens a step carries while other requests decode
     (chunked prefill): larger admits newcomers in fewer steps (time to first token), smaller
-    keeps the others' inter-token latency down. ``prefill_slowdown`` prices that chunk: a step
-    carrying prompt tokens may cost at most this many times a step of the decoding requests
-    alone, by the pass costs the scheduler measures (so a full batch of a large model takes a
-    few prompt tokens per step, a small model the whole chunk).
+    keeps the others' inter-token latency down. ``prefill_slowdown`` prices that chunk and the
+    batch's drafts: a step may cost at most this many times a full batch's plain step, by the
+    pass costs the scheduler measures (so beside a full batch of a large model a step takes 20-30
+    prompt tokens, on a small model most of the chunk; at least 16 always).
     """
 
     model_name: str
