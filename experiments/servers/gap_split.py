@@ -24,53 +24,36 @@ from prometheus_client.parser import text_string_to_metric_families
 sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
 import vllm_interop as vi  # noqa: E402
 
+
+def buckets(text: str) -> dict[float, float]:
+    """The engine-side inter-token histogram's cumulative bucket counts in ``/metrics``."""
+    return {
+        float(s.labels["le"]): s.value
+        for f in text_string_to_metric_families(text)
+        if f.name == "specdec_inter_token_latency_seconds"
+        for s in f.samples
+        if s.name.endswith("_bucket")
+    }
+
+
 out = Path(sys.argv[1])
 extra = sys.argv[2:]
-port = 18711
+port = vi.free_port()
 cmd = [
-    "taskset",
-    "-c",
-    "0-1",
-    str(Path(sys.executable).parent / "specdec"),
-    "serve",
-    "--model",
-    "qwen2.5-coder-1.5b",
-    "--speculator",
-    "prompt-lookup",
-    "--max-batch",
-    "16",
-    "--max-queue",
-    "256",
-    "--threads",
-    "2",
-    "--log-level",
-    "warning",
-    "--port",
-    str(port),
+    "taskset", "-c", "0-1", str(Path(sys.executable).parent / "specdec"), "serve",
+    "--model", "qwen2.5-coder-1.5b", "--speculator", "prompt-lookup", "--max-batch", "16",
+    "--max-queue", "256", "--threads", "2", "--log-level", "warning", "--port", str(port),
     *extra,
-]
-proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+]  # fmt: skip
+log = out.with_suffix(".log")
+proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
 url = f"http://127.0.0.1:{port}"
 try:
-    for _ in range(600):
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
+    if vi.wait_healthy(proc, url, log, 600) is None:
+        sys.exit(f"the server did not start; last lines of {log}:\n{vi.tail(log, 20)}")
     prompts = [p["prompt"] for p in vi.select_prompts(8)]
     vi.chat(url, "qwen2.5-coder-1.5b", prompts[0], 8)  # warm-up
     before = httpx.get(f"{url}/metrics").text
-
-    def buckets(text: str) -> dict[float, float]:
-        return {
-            float(s.labels["le"]): s.value
-            for f in text_string_to_metric_families(text)
-            if f.name == "specdec_inter_token_latency_seconds"
-            for s in f.samples
-            if s.name.endswith("_bucket")
-        }
 
     began = time.perf_counter()
     with ThreadPoolExecutor(16) as pool:  # peers.py's 16-client level: 16 requests at once
@@ -94,8 +77,8 @@ gaps = [g for a in answers for g in a.get("gaps", [])]
 tokens = sum(a.get("completion_tokens") or 0 for a in answers)
 print(f"{tokens} tokens in {wall:.1f} s: {tokens / wall:.1f} tok/s")
 print(
-    f"{len(gaps)} client gaps, p50 {np.percentile(gaps, 50):.3f} s, p99 {np.percentile(gaps, 99):.3f} s;"
-    f" {int(total)} engine-side gaps"
+    f"{len(gaps)} client gaps, p50 {np.percentile(gaps, 50):.3f} s, "
+    f"p99 {np.percentile(gaps, 99):.3f} s; {int(total)} engine-side gaps"
 )
 rows = []
 for le in sorted(engine):

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 
 from specdec.batch import BatchScheduler, BatchSequence, StepReport
+from specdec.batch.scheduler import DEFAULT_CHUNK, DEFAULT_SLOWDOWN
 from specdec.engine import SpeculativeEngine
 from specdec.errors import SpecDecError
 from specdec.server.worker import (
@@ -66,8 +67,8 @@ class BatchWorker(Worker):
         *,
         max_batch: int,
         max_queue: int,
-        chunk: int = 64,
-        slowdown: float = 2.0,
+        chunk: int = DEFAULT_CHUNK,
+        slowdown: float = DEFAULT_SLOWDOWN,
     ) -> None:
         self.engine = engine
         self.max_batch = max_batch
