@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specdec.errors import CheckpointError, ConfigError
+from specdec.errors import CheckpointError, ConfigError, DataError
 from specdec.heads.optim import Schedule, optimizer_step
 from specdec.target import load_model
 from specdec.training.checkpoint import CHECKPOINT_DIR
@@ -274,3 +274,60 @@ def test_a_diverged_run_stops_at_once_with_a_clear_error(tmp_path):
         train_loop(task, opt, ShuffledSampler(4, 2, seed=0), settings,
                    CheckpointStore(tmp_path, {"run": "t"}))  # fmt: skip
     assert task.calls == 3
+
+
+def test_written_answers_are_stored_as_the_targets_response_tokens(tiny, tmp_path):
+    """``answers="source"``: each line's own response, tokenized after the same prompt ids the
+    target's answer would follow, cut at ``max_new_tokens`` or ended by the EOS; the data then
+    trains a drafter (labels come from the target), keeps its origin through the compact token
+    format, and refuses to be extended by the target's answers."""
+    from specdec.request import encode_prompt
+    from specdec.training.shards import load_token_data, save_token_data
+
+    tok = tiny.tokenizer
+    lines = [
+        {"prompt": "To be, or not to be", "response": "that is the question"},
+        {"prompt": "All the world's a stage,", "response": "and all the men " * 20},
+        {"prompt": "Friends, Romans, countrymen,", "response": "lend me your ears"},
+    ]
+    prompts = tmp_path / "written.jsonl"
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "sd"
+    manifest = generate_data(tiny, prompts, out, max_new_tokens=16, answers="source")
+    assert manifest.answers == "source" and manifest.records == 3
+    data = load_data(out, tiny)
+    chat = bool(getattr(tok, "chat_template", None))
+    for r in data.records:
+        line = lines[r.index]
+        assert list(r.tokens[: r.prompt_len]) == encode_prompt(tok, line["prompt"], chat=chat)
+        ids = tok.encode(line["response"], add_special_tokens=False)
+        want = ids[:16] if len(ids) >= 16 else ids + [tok.eos_token_id]
+        assert list(r.response) == want
+    assert sum(len(r.response) == 16 for r in data.records) == 1  # the long one, cut
+
+    compact = tmp_path / "compact"
+    save_token_data(data, compact)
+    assert load_token_data(compact).manifest.answers == "source"
+
+    result = train_eagle(
+        tiny, data, tmp_path / "head",
+        EagleTrainConfig(variant="eagle3", aux_layers=(1, 2, 3), draft_vocab=96, max_steps=2,
+                         batch_sequences=2, eval_every=2, held_out=0.3),
+    )  # fmt: skip
+    assert result.steps == 2 and result.train_positions > 0
+
+    with pytest.raises(DataError, match="answers"):
+        generate_data(tiny, prompts, out, max_new_tokens=16)  # the target's answers: refused
+
+
+def test_written_answers_need_a_response_on_every_line(tiny, tmp_path):
+    prompts = tmp_path / "half.jsonl"
+    prompts.write_text(
+        json.dumps({"prompt": "a", "response": "b"}) + "\n" + json.dumps({"prompt": "c"}) + "\n"
+    )
+    with pytest.raises(DataError, match=r"half.jsonl:2: .*'response'.*--answers target"):
+        generate_data(tiny, prompts, tmp_path / "sd", answers="source")
+    with pytest.raises(DataError, match="--answers source runs none"):
+        generate_data(tiny, prompts, tmp_path / "sd", answers="source", temperature=0.7)
+    with pytest.raises(DataError, match="answers must be one of"):
+        generate_data(tiny, prompts, tmp_path / "sd", answers="gpt")

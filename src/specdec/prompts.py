@@ -33,6 +33,23 @@ def load_prompts(path: str | os.PathLike[str]) -> list[str]:
     return prompts
 
 
+def load_responses(path: str | os.PathLike[str]) -> list[str]:
+    """The ``response`` string of every record of a prompt file, in :func:`load_prompts`'s
+    order: answers written by someone else (a stronger model, a dataset's reference), which
+    ``specdec data generate --answers source`` stores in place of the target's own."""
+    p = Path(path)
+    out: list[str] = []
+    for lineno, obj in json_lines(p):
+        text = obj.get("response") if isinstance(obj, dict) else None
+        if not isinstance(text, str) or not text.strip():
+            raise DataError(
+                f"{p}:{lineno}: --answers source needs a non-empty 'response' string on every "
+                "line; add one, or let the target answer (--answers target)"
+            )
+        out.append(text)
+    return out
+
+
 def json_lines(p: Path) -> Iterator[tuple[int, Any]]:
     """(line number, parsed object) of each non-blank line: the numbering records' ``index``
     counts in (blank lines skipped)."""

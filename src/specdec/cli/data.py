@@ -90,6 +90,15 @@ def generate(
         float, typer.Option("--temperature", help="0 = greedy (matches greedy verification).")
     ] = 0.0,
     seed: Annotated[int, typer.Option("--seed", help="Order of the prompts (and sampling).")] = 0,
+    answers: Annotated[
+        str,
+        typer.Option(
+            "--answers",
+            help="target: the target answers every prompt (hours on a CPU). source: store each "
+            "--prompts line's own 'response' instead, in seconds; EAGLE training still labels "
+            "every position with the target's distribution.",
+        ),
+    ] = "target",
     threads: ThreadsOpt = None,
     model: ModelOpt = None,
     gguf: GgufOpt = None,
@@ -105,6 +114,8 @@ def generate(
 
             if prompts is not None:
                 raise DataError("--prompts is for --source prompts; drop one of them")
+            if answers != "target":
+                raise DataError("--answers source reads --prompts lines; use --source prompts")
             loaded = load_target(model, gguf, dtype, threads)
             m = generate_sharegpt_data(
                 loaded,
@@ -148,6 +159,7 @@ def generate(
             seed=seed,
             shard_size=shard_size or 32,
             progress=tqdm,
+            answers=answers,
         )
     err_console.print(
         f"{manifest.records} sequences in {out} ({len(manifest.shards)} shards; "

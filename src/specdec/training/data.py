@@ -27,7 +27,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from specdec.errors import DataError
-from specdec.prompts import load_prompts, refuse_eval_set
+from specdec.prompts import load_prompts, load_responses, refuse_eval_set
 from specdec.target.loading import LoadedModel, identity_mismatch
 from specdec.training.progress import NullBar, ProgressFactory
 from specdec.training.records import (
@@ -41,6 +41,8 @@ from specdec.training.records import (
     generate_batch,
 )
 from specdec.training.shards import is_token_data, load_token_data
+
+ANSWERS = ("target", "source")
 
 __all__ = [
     "FORMAT",
@@ -104,12 +106,20 @@ def generate_data(
     max_prompt_tokens: int = 1024,
     temperature: float = 0.0,
     progress: ProgressFactory = NullBar,
+    answers: str = "target",
 ) -> DataManifest:
     """Have the target answer the prompts (batched) and store prompt + response token ids.
 
     Greedy by default, which is what greedy verification checks drafts against; with
     ``temperature > 0`` responses are sampled (seeded). Resumes an interrupted run in the same
     ``out_dir``; refuses to mix data from other settings or another target into it.
+
+    ``answers="source"`` stores each line's own ``response`` instead, tokenized (cut at
+    ``max_new_tokens``; the EOS follows an answer that was not cut), without running the target:
+    a data set in seconds instead of hours of decoding on a CPU. A feature-level drafter trained
+    on it still learns this target, since the trainers label every position with the target's
+    own distribution (EAGLE: its top-k log-probabilities); only the contexts are someone else's
+    text, the recipe of EAGLE-1's fixed ShareGPT answers.
     """
     if max_new_tokens < 1:
         raise DataError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -119,9 +129,14 @@ def generate_data(
         raise DataError("batch_size and shard_size must be >= 1")
     if temperature < 0:
         raise DataError(f"temperature must be >= 0, got {temperature}")
+    if answers not in ANSWERS:
+        raise DataError(f"answers must be one of {', '.join(ANSWERS)}, got {answers!r}")
+    if answers == "source" and temperature > 0:
+        raise DataError("--temperature samples the target's answers; --answers source runs none")
     prompts_path = Path(prompts_file)
     prompts = load_prompts(prompts_path)
     refuse_eval_set(prompts_path)
+    responses = load_responses(prompts_path) if answers == "source" else None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     n = len(prompts) if limit is None else min(limit, len(prompts))
@@ -136,6 +151,7 @@ def generate_data(
         temperature=float(temperature),
         shard_size=shard_size,
         limit=n,
+        answers=answers,
     )
     _check_resumable(out, manifest)
     order = prompt_order(len(prompts), seed)
@@ -151,7 +167,7 @@ def generate_data(
     )
     try:
         for a, b in todo:
-            _write_shard(loaded, prompts, order, a, b, out, manifest, batch_size, bar)
+            _write_shard(loaded, prompts, order, a, b, out, manifest, batch_size, bar, responses)
             done.add(shard_name(a, b))
             current = _finish_manifest(out, manifest, [s for s in names if s in done])
     finally:
@@ -187,6 +203,7 @@ def _write_shard(
     manifest: DataManifest,
     batch_size: int,
     bar: Any,
+    sources: Sequence[str] | None = None,
 ) -> None:
     from specdec.request import encode_prompt
 
@@ -201,9 +218,13 @@ def _write_shard(
         encoded.append((idx, ids))
     if skipped:
         bar.update(skipped)
-    # similar lengths in a batch waste less compute on padding; storage order stays fixed
-    by_len = sorted(encoded, key=lambda e: len(e[1]))
     responses: dict[int, list[int]] = {}
+    if sources is not None:
+        for idx, _ in encoded:
+            responses[idx] = _source_answer(tok, sources[idx], manifest.max_new_tokens)
+        bar.update(len(encoded))
+    # similar lengths in a batch waste less compute on padding; storage order stays fixed
+    by_len = sorted(encoded, key=lambda e: len(e[1])) if sources is None else []
     for batch in chunks(by_len, batch_size):
         gen_seed = manifest.order_seed * 1_000_003 + batch[0][0]
         outs = generate_batch(loaded, [ids for _, ids in batch], manifest, gen_seed)
@@ -230,6 +251,16 @@ def _write_shard(
     save_file(tensors, tmp, metadata={"skipped_long_prompts": str(skipped)})
     os.chmod(tmp, 0o644)
     os.replace(tmp, out / shard_name(start, end))
+
+
+def _source_answer(tokenizer: Any, text: str, max_new_tokens: int) -> list[int]:
+    """A written answer as the target's response tokens: cut at ``max_new_tokens`` as a
+    generation would be, else ended by the EOS the target's own answer would end with."""
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    if len(ids) >= max_new_tokens:
+        return ids[:max_new_tokens]
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return ids + ([int(eos)] if eos is not None else [])
 
 
 def _finish_manifest(out: Path, manifest: DataManifest, shards: list[str]) -> DataManifest:

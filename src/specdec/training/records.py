@@ -49,11 +49,14 @@ class DataManifest:
     records: int = 0
     skipped_long_prompts: int = 0
     format: str = FORMAT
+    # "target": the target's own answers; "source": the prompt file's own responses, tokenized
+    # (the trainers label every position with the target's distribution either way)
+    answers: str = "target"
 
     def settings(self) -> dict[str, Any]:
         """The fields that must agree for a resumed run to extend the same data set."""
         keep = ("prompts_sha256", "order_seed", "max_new_tokens", "max_prompt_tokens",
-                "temperature", "shard_size")  # fmt: skip
+                "temperature", "shard_size", "answers")  # fmt: skip
         return {k: getattr(self, k) for k in keep}
 
     def to_json(self) -> str:

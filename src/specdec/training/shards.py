@@ -228,6 +228,7 @@ def compat_manifest(m: dict[str, Any]) -> DataManifest:
         shards=tuple(s["file"] for s in m["shards"]),
         records=int(m.get("records", 0)),
         skipped_long_prompts=int(m.get("skipped_long_prompts", 0)),
+        answers=str(gen.get("answers", "target")),
     )
 
 
@@ -291,6 +292,7 @@ def save_token_data(
             "seed": mf.order_seed,
             "shard_size": shard_size,
             "turns": 1,
+            "answers": mf.answers,
         },
         "token_dtype": dtype.name,
         "conversations": len(data.records),
