@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from specdec import SpeculativeEngine
 from specdec.control.budget import CostModel
@@ -94,6 +95,42 @@ def test_incremental_passes_equal_one_causal_pass(tiny, variant):
         a, kv = head(head.fuse(feats[:, :4]), tokens[:, :4], pos[:, :4])
         b, _ = head(head.fuse(feats[:, 4:]), tokens[:, 4:], pos[:, 4:], kv)
     torch.testing.assert_close(torch.cat([a, b], 1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_the_drafting_copy_runs_int8_blocks_close_to_the_trained_head(tiny):
+    """On a CPU with the kernel, the drafting copy's linears are Q8_0 blocks (half of fp16's
+    bytes): its states stay within int8 rounding of the trained head's, its top tokens agree,
+    and the head itself is untouched (still trainable, still fp32)."""
+    from specdec.heads.eagle import for_inference
+    from specdec.target import kquant
+
+    if not kquant.extension().has_simd():
+        pytest.skip("the kernel's SIMD paths are not on this CPU")
+    head = random_head(tiny, "eagle3")
+    fast = for_inference(head)
+    linears = [m for m in fast.modules() if isinstance(m, kquant.KQuantLinear)]
+    assert linears and not any(isinstance(m, nn.Linear) for m in fast.modules())
+    assert all(isinstance(m, nn.Linear) for m in (head.fc, head.lm_head))
+    g = torch.Generator().manual_seed(0)
+    feats = torch.randn(1, 7, 3 * 64, generator=g)
+    tokens = torch.randint(0, 300, (1, 7), generator=g)
+    pos = torch.arange(7)[None]
+    with torch.no_grad():
+        want, _ = head(head.fuse(feats), tokens, pos)
+        got, _ = fast(fast.fuse(feats), tokens, pos)
+        err = (got - want).norm() / want.norm()
+        same = (head.logits(want).argmax(-1) == fast.logits(got).argmax(-1)).float().mean()
+    assert 0 < err < 0.05 and same >= 6 / 7
+
+
+def test_a_linear_of_partial_blocks_keeps_fp16_weights():
+    from specdec.heads.eagle import cpu_linear_maker
+    from specdec.target import kquant
+
+    make = cpu_linear_maker()
+    assert not isinstance(make(nn.Linear(40, 8)), kquant.KQuantLinear | nn.Linear)
+    with pytest.raises(ConfigError, match="32-weight blocks"):
+        kquant.KQuantLinear.q8_from_float(nn.Linear(40, 8))
 
 
 def test_reduced_vocabulary_maps_draft_ids_to_target_ids(tiny):

@@ -25,6 +25,7 @@ embedding output, i the output of decoder layer i-1. That equals vLLM's
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -315,14 +316,15 @@ class EagleHead(nn.Module):
 
 
 def for_inference(head: EagleHead) -> EagleHead:
-    """A drafting copy of ``head`` on the target's device. On the CPU its linears keep
-    fp16-stored weights (fp32 maths): drafting is memory-bound on a CPU, and halving the bytes
-    read made each of its linears several times faster than fp32
-    (experiments/eagle/2026-12-05-eagle3-first-turns.md; a draft needs no exactness: the target
-    verifies it). EAGLE-1's readout, the target's 49k-row LM head, gets an fp16 copy too. The
-    embeddings are shared, not copied, and ``head`` itself is left as it is (it can still be
-    trained or saved)."""
-    from specdec.target.numerics import Fp16WeightLinear, PackedLinear, swap_linears
+    """A drafting copy of ``head`` on the target's device. On the CPU its linears run int8
+    weights (Q8_0 blocks) through specdec's quantised-block kernel where it is built, else keep
+    fp16-stored weights (fp32 maths): drafting is memory-bound on a CPU, and each halving of the
+    bytes read made the linears faster (fp16 several times faster than fp32,
+    experiments/eagle/2026-12-05-eagle3-first-turns.md; Q8_0 about 2.5x faster than fp16 at a
+    Qwen 1.5B head's sizes). A draft needs no exactness: the target verifies it. EAGLE-1's
+    readout, the target's LM head, gets such a copy too. The embeddings are shared, not copied,
+    and ``head`` itself is left as it is (it can still be trained or saved)."""
+    from specdec.target.numerics import swap_linears
 
     memo: dict[int, object] = {id(head.embed_weight): head.embed_weight}
     if not head.eagle3:
@@ -336,17 +338,40 @@ def for_inference(head: EagleHead) -> EagleHead:
     if device.type != "cpu":
         # fbgemm and oneDNN are CPU kernels; elsewhere the fp32 drafter runs with stock linears
         return fast.to(device)
-    make: type[nn.Module] = Fp16WeightLinear
-    try:
-        Fp16WeightLinear(nn.Linear(2, 2))
-    except RuntimeError:  # no fbgemm in this torch build: prepacked fp32 instead
-        make = PackedLinear
+    make = cpu_linear_maker()
     swap_linears(fast, make)
     if not fast.eagle3:
         readout = nn.Linear(fast.readout.shape[1], fast.readout.shape[0], bias=False)
         readout.weight.data = fast.readout
         fast._readout_module = (make(readout),)
     return fast
+
+
+def cpu_linear_maker() -> Callable[[nn.Linear], nn.Module]:
+    """How a drafter's linears are rebuilt on this CPU, fastest first: Q8_0 weights through the
+    quantised-block kernel (needs the compiled kernel with AVX2 or AVX-512, and whole 32-weight
+    blocks), fp16 weights through fbgemm, fp32 prepacked by oneDNN."""
+    from specdec.target.numerics import Fp16WeightLinear, PackedLinear
+
+    fallback: Callable[[nn.Linear], nn.Module] = Fp16WeightLinear
+    try:
+        Fp16WeightLinear(nn.Linear(2, 2))
+    except RuntimeError:  # no fbgemm in this torch build: prepacked fp32 instead
+        fallback = PackedLinear
+    try:
+        from specdec.target import kquant
+
+        if not kquant.extension().has_simd():
+            return fallback
+    except ConfigError:  # no compiler here: the kernel cannot be built
+        return fallback
+
+    def make(linear: nn.Linear) -> nn.Module:
+        if linear.in_features % 32:
+            return fallback(linear)
+        return kquant.KQuantLinear.q8_from_float(linear)
+
+    return make
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:

@@ -243,6 +243,28 @@ class KQuantLinear(nn.Module):
             }
         return cls(kind, parts, in_features, bias)
 
+    @classmethod
+    def q8_from_float(cls, linear: nn.Linear) -> KQuantLinear:
+        """``linear``'s weights rounded to Q8_0 blocks (llama.cpp's rule: per 32 weights an fp16
+        scale amax / 127 and int8 codes), for a module that needs speed, not exactness: a
+        drafter's linears, which the target verifies. At one row it reads half of fp16's bytes
+        and was about 2.5x faster than fbgemm's fp16 GEMM on a Zen 4 core (a 1536 x 8960 MLP
+        projection: 0.30 against 0.77 ms)."""
+        w = linear.weight.detach().float().cpu().numpy()
+        n, k = w.shape
+        if k % 32:
+            raise ConfigError(f"Q8_0 rows hold whole 32-weight blocks; in_features is {k}")
+        b = w.reshape(n, k // 32, 32)
+        d = (np.abs(b).max(-1, keepdims=True) / 127).astype(np.float16)
+        d32 = d.astype(np.float32)
+        inv = np.divide(1.0, d32, out=np.zeros_like(d32), where=d32 > 0)
+        q = np.clip(np.rint(b * inv), -127, 127).astype(np.int8)
+        blocks = np.empty((n, k // 32, 34), np.uint8)
+        blocks[..., :2] = d.view(np.uint8)
+        blocks[..., 2:] = q.view(np.uint8)
+        bias = linear.bias.detach() if linear.bias is not None else None
+        return cls.from_gguf("Q8_0", blocks.reshape(n, -1), k, bias)
+
     def _codes(self, codes: torch.Tensor | None = None) -> torch.Tensor:
         """Every weight's code, ``[N, nb, 256]`` int16 in weight order (of ``codes``, rows of
         this layer's, or all of them)."""
