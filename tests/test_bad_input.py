@@ -179,3 +179,28 @@ def test_cli_error_in_a_real_process_has_no_traceback(
         assert proc.returncode == 2, proc.stderr
         assert "Traceback" not in proc.stderr
         assert words in proc.stderr
+
+
+def test_sigterm_stops_a_command_through_its_cleanup():
+    """``kill`` (SIGTERM) stops a CLI command as Ctrl-C does: its ``finally`` blocks run (a long
+    extraction saves what it has), it exits 143 with one line, and the handler is restored."""
+    import os
+    import signal
+
+    import typer
+
+    from specdec.cli.common import user_errors
+
+    before = signal.getsignal(signal.SIGTERM)
+    cleaned = []
+    with pytest.raises(typer.Exit) as stop:
+        with user_errors():
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                for _ in range(1000):  # the handler runs at the next bytecode
+                    pass
+                pytest.fail("SIGTERM did not stop the command")
+            finally:
+                cleaned.append(True)
+    assert stop.value.exit_code == 143 and cleaned == [True]
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -189,16 +191,36 @@ T = TypeVar("T")
 
 @contextmanager
 def user_errors() -> Iterator[None]:
-    """Turn specdec's typed errors into one line on stderr and exit code 2, no traceback."""
+    """Turn specdec's typed errors into one line on stderr and exit code 2, no traceback.
+
+    SIGTERM (``kill``, a scheduler's stop, a timeout) stops a command as Ctrl-C does, through
+    its ``finally`` blocks: a long extraction or training then saves what it has and resumes
+    later. A job started with ``&`` from a script cannot take Ctrl-C at all (the shell ignores
+    SIGINT for it), so SIGTERM is how such a job is stopped."""
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         yield
     except SpecDecError as e:
         # escaped: a message quoting a spec ("[a,b:key=value]") is not rich markup
         err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
-    except KeyboardInterrupt:
-        err_console.print("interrupted")
-        raise typer.Exit(130) from None
+    except KeyboardInterrupt as e:
+        terminated = isinstance(e, Terminated)
+        err_console.print("stopped (SIGTERM)" if terminated else "interrupted")
+        raise typer.Exit(143 if terminated else 130) from None
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the program is, so cleanup runs as for Ctrl-C."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated
 
 
 def say_thread_plan(threads: int | None) -> None:
