@@ -453,6 +453,19 @@ def test_cli_source_errors(tmp_path: Path) -> None:
         app, ["data", "generate", "--source", "sharegpt", "--prompts", str(tmp_path / "p")]
     )
     assert result.exit_code != 0 and "drop one" in result.output
+    # --answers source: checked before any model loads (this test passes no model at all)
+    bare = tmp_path / "bare.jsonl"
+    bare.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    for extra, words in (
+        (["--answers", "source"], "bare.jsonl:1: --answers source needs"),
+        (["--answers", "gpt"], "--answers must be one of target, source"),
+        (["--answers", "source", "--source", "sharegpt"], "reads --prompts lines"),
+    ):
+        prompts = [] if "sharegpt" in extra else ["--prompts", str(bare)]
+        result = CliRunner().invoke(
+            app, ["data", "generate", *prompts, *extra, "--out", str(tmp_path / "x")]
+        )
+        assert result.exit_code == 2 and words in " ".join(result.output.split()), result.output
 
 
 def test_training_starts_from_the_shards_alone(

@@ -140,12 +140,17 @@ def generate(
                 "for overlapping an eval set)"
             )
             return
-        from specdec.training.data import generate_data
+        from specdec.prompts import load_responses
+        from specdec.training.data import ANSWERS, generate_data
 
         if prompts is None:
             raise DataError("--source prompts needs --prompts FILE (or use --source sharegpt)")
         if turns != 1 or sharegpt_file is not None or history_from is not None:
             raise DataError("--turns, --history-from and --sharegpt-file are for --source sharegpt")
+        if answers not in ANSWERS:
+            raise DataError(f"--answers must be one of {', '.join(ANSWERS)}, got {answers!r}")
+        if answers == "source":
+            load_responses(prompts)  # a line without one fails now, not after the model loads
         loaded = load_target(model, gguf, dtype, threads)
         manifest = generate_data(
             loaded,
