@@ -319,9 +319,10 @@ def for_inference(head: EagleHead) -> EagleHead:
     """A drafting copy of ``head`` on the target's device. On the CPU its linears run int8
     weights (Q8_0 blocks) through specdec's quantised-block kernel where it is built, else keep
     fp16-stored weights (fp32 maths): drafting is memory-bound on a CPU, and each halving of the
-    bytes read made the linears faster (fp16 several times faster than fp32,
-    experiments/eagle/2026-12-05-eagle3-first-turns.md; Q8_0 about 2.5x faster than fp16 at a
-    Qwen 1.5B head's sizes). A draft needs no exactness: the target verifies it. EAGLE-1's
+    bytes read made the linears faster (fp16 against fp32:
+    experiments/eagle/2026-12-05-eagle3-first-turns.md; Q8_0 against fp16:
+    experiments/eagle/2026-12-07-qwen15-eagle-data.md). A draft needs no exactness: the target
+    verifies it. EAGLE-1's
     readout, the target's LM head, gets such a copy too. The embeddings are shared, not copied,
     and ``head`` itself is left as it is (it can still be trained or saved)."""
     from specdec.target.numerics import swap_linears

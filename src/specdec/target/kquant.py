@@ -247,9 +247,9 @@ class KQuantLinear(nn.Module):
     def q8_from_float(cls, linear: nn.Linear) -> KQuantLinear:
         """``linear``'s weights rounded to Q8_0 blocks (llama.cpp's rule: per 32 weights an fp16
         scale amax / 127 and int8 codes), for a module that needs speed, not exactness: a
-        drafter's linears, which the target verifies. At one row it reads half of fp16's bytes
-        and was about 2.5x faster than fbgemm's fp16 GEMM on a Zen 4 core (a 1536 x 8960 MLP
-        projection: 0.30 against 0.77 ms)."""
+        drafter's linears, which the target verifies. At one row it reads half of fp16's bytes,
+        and a one-row pass is bound by those bytes (measured against fbgemm's fp16 GEMM:
+        experiments/eagle/2026-12-07-qwen15-eagle-data.md)."""
         w = linear.weight.detach().float().cpu().numpy()
         n, k = w.shape
         if k % 32:
