@@ -250,20 +250,16 @@ class KQuantLinear(nn.Module):
         drafter's linears, which the target verifies. At one row it reads half of fp16's bytes,
         and a one-row pass is bound by those bytes (measured against fbgemm's fp16 GEMM:
         experiments/eagle/2026-12-07-qwen15-eagle-data.md)."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import quantize
+
         w = linear.weight.detach().float().cpu().numpy()
-        n, k = w.shape
+        k = w.shape[1]
         if k % 32:
             raise ConfigError(f"Q8_0 rows hold whole 32-weight blocks; in_features is {k}")
-        b = w.reshape(n, k // 32, 32)
-        d = (np.abs(b).max(-1, keepdims=True) / 127).astype(np.float16)
-        d32 = d.astype(np.float32)
-        inv = np.divide(1.0, d32, out=np.zeros_like(d32), where=d32 > 0)
-        q = np.clip(np.rint(b * inv), -127, 127).astype(np.int8)
-        blocks = np.empty((n, k // 32, 34), np.uint8)
-        blocks[..., :2] = d.view(np.uint8)
-        blocks[..., 2:] = q.view(np.uint8)
+        blocks = quantize(w, GGMLQuantizationType.Q8_0)  # gguf's own Q8_0, llama.cpp's rule
         bias = linear.bias.detach() if linear.bias is not None else None
-        return cls.from_gguf("Q8_0", blocks.reshape(n, -1), k, bias)
+        return cls.from_gguf("Q8_0", blocks, k, bias)
 
     def _codes(self, codes: torch.Tensor | None = None) -> torch.Tensor:
         """Every weight's code, ``[N, nb, 256]`` int16 in weight order (of ``codes``, rows of
