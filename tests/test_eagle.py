@@ -728,3 +728,30 @@ def test_training_with_the_target_on_cuda(tiny_model_dir, data_dir, tmp_path):
     assert (
         engine.generate(PROMPTS[0], max_new_tokens=20, ignore_eos=True).token_ids == plain.token_ids
     )
+
+
+def test_cli_defaults_are_the_trainers() -> None:
+    """``specdec train eagle``'s option defaults equal :class:`EagleTrainConfig`'s: the feature
+    cache's key includes the settings, so a script on the API with other defaults would miss
+    (and redo) a CLI run's hours of extracted features."""
+    import inspect
+
+    from specdec.cli.train_eagle import eagle as cli
+
+    params = inspect.signature(cli).parameters
+    config = EagleTrainConfig()
+    shared = {
+        "variant": "variant",
+        "draft_vocab": "draft_vocab",
+        "ttt_steps": "ttt_steps",
+        "epochs": "epochs",
+        "lr": "lr",
+        "batch": "batch_sequences",
+        "context": "context",
+        "speculative_tokens": "speculative_tokens",
+        "eval_every": "eval_every",
+        "seed": "seed",
+        "precision": "precision",
+    }
+    for option, field in shared.items():
+        assert params[option].default == getattr(config, field), option

@@ -60,6 +60,10 @@ from specdec.training.medusa import draft_vocabulary
 from specdec.training.precision import autocast, check_precision
 from specdec.training.progress import NullBar, ProgressFactory
 
+# Prompt tokens kept before each response, for the CLI and the API alike: the feature cache's
+# key includes it, so two defaults would make a script miss a CLI run's cache.
+DEFAULT_CONTEXT = 192
+
 
 @dataclass(frozen=True)
 class EagleTrainConfig:
@@ -70,7 +74,7 @@ class EagleTrainConfig:
     step_decay: float = 0.8
     feature_weight: float = 1.0  # EAGLE-1's regression term
     topk_labels: int = 8  # target log-probabilities kept per position (the soft label)
-    context: int = 64  # prompt tokens kept before the response
+    context: int = DEFAULT_CONTEXT  # prompt tokens kept before the response
     epochs: float = 6.0
     max_steps: int | None = None
     lr: float = 1e-3
