@@ -214,12 +214,17 @@ def test_the_simd_and_portable_paths_agree():
 
 
 def kquant_model(
-    tiny_tokenizer_dir: Path, tmp_path: Path, seed: int, lean: bool = False
+    tiny_tokenizer_dir: Path,
+    tmp_path: Path,
+    seed: int,
+    lean: bool = False,
+    attention_bias: bool = False,
 ) -> LoadedModel:
     """A 2-layer llama-shaped model (hidden 256, every width a multiple of 256) whose linears
     are random Q4_K (attention, gate/up, head) and Q6_K (v, down) blocks, as a Q4_K_M file
     mixes them; the fp32 checkpoint holds their exact dequantisation. ``lean``: with the
-    kquant modules of :mod:`specdec.target.kquant_layers`, as ``load_model`` gives them."""
+    kquant modules of :mod:`specdec.target.kquant_layers`, as ``load_model`` gives them;
+    ``attention_bias``: q/k/v/o with biases (as Qwen2's q/k/v have)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
@@ -233,8 +238,13 @@ def kquant_model(
         num_key_value_heads=2,
         tie_word_embeddings=False,
         eos_token_id=tok.eos_token_id,
+        attention_bias=attention_bias,
     )
     model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
+    if attention_bias:
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.copy_(torch.randn_like(param) * 0.1)
     blocks = {}
     for i, (path, linear) in enumerate(model.named_modules()):
         if isinstance(linear, nn.Linear):

@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from specdec.cache.buffer import BufferLayer
 from specdec.target import ModelRunner, load_model
 from specdec.target.attention import rowwise_sdpa_attention
 from specdec.target.kquant import KQuantLinear, extension
@@ -23,6 +24,7 @@ from specdec.target.kquant_layers import (
     fuse_runs,
     use_lean_layers,
 )
+from specdec.tree import DraftTree
 from tests.test_kquant import kquant_model, random_blocks
 
 pytestmark = pytest.mark.slow(threads=1)  # the kernel compiles once per session: over a minute
@@ -158,3 +160,38 @@ def test_a_pass_of_no_rows_is_empty_not_an_error(tiny_tokenizer_dir, tmp_path):
     runner_input = torch.zeros(1, 0, dtype=torch.long)
     with torch.no_grad():
         assert loaded.model(runner_input).logits.shape[:2] == (1, 0)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "qkv-o-bias"])
+def test_the_one_call_layer_gives_the_python_layers_bits(
+    tiny_tokenizer_dir, tmp_path, monkeypatch, bias
+):
+    """``lean_layer`` (the whole decoder layer in one extension call, writing the cache in
+    place) against the same lean layer run from Python, bit for bit: decoding steps, a chain,
+    a tree with its mask, and a step after a rollback."""
+    loaded = kquant_model(tiny_tokenizer_dir, tmp_path, seed=5, lean=True, attention_bias=bias)
+    prompt = loaded.tokenizer("First Citizen:\nBefore we proceed any further")["input_ids"]
+    tree = DraftTree(tokens=(5, 9, 11, 3), parents=(-1, 0, 0, 2))
+
+    def run() -> list[torch.Tensor]:
+        runner = ModelRunner(loaded.model)
+        out = [runner.forward(prompt)]
+        out += [runner.forward([token]) for token in (17, 23, 5)]
+        out.append(runner.forward([7, 8, 9]))
+        out.append(runner.forward_tree(tree))
+        runner.cache.rollback(len(prompt) + 3)
+        out.append(runner.forward([42]))
+        return out
+
+    calls: list[int] = []
+    extend = BufferLayer.extend_to
+    monkeypatch.setattr(
+        BufferLayer, "extend_to", lambda self, n: (calls.append(n), extend(self, n))[1]
+    )
+    one_call = run()
+    assert len(calls) == 2 * 6  # every pass after the prompt's, in both layers
+    monkeypatch.setattr(BufferLayer, "room", lambda self, tokens: None)
+    from_python = run()
+    assert len(calls) == 2 * 6
+    for got, want in zip(one_call, from_python, strict=True):
+        assert torch.equal(got, want)

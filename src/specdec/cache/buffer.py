@@ -100,6 +100,26 @@ class BufferLayer(DynamicLayer):
         assert self.keys is not None and self.values is not None
         return self.keys, self.values
 
+    def room(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """The key and value buffers and the current length, when ``tokens`` more entries fit
+        in place (the buffers exist, hold the views handed out and have the room), for a
+        caller that writes them itself and then calls :meth:`extend_to`; ``None`` where
+        :meth:`update` must run instead (the first entries, a full buffer, replaced views)."""
+        kb, vb = self._key_buffer, self._value_buffer
+        if kb is None or vb is None or not self._owns_views():
+            return None
+        assert self.keys is not None
+        n = self.keys.shape[-2]
+        if n + tokens > kb.shape[-2] or (
+            kb.is_inference() and not torch.is_inference_mode_enabled()
+        ):
+            return None
+        return kb, vb, n
+
+    def extend_to(self, n: int) -> None:
+        """Hand out views of the first ``n`` entries (after a caller wrote them: :meth:`room`)."""
+        self._set_length(n)
+
     def _set_length(self, n: int) -> None:
         kb, vb = self._key_buffer, self._value_buffer
         assert kb is not None and vb is not None

@@ -14,7 +14,11 @@ experiments/kquant/2026-12-05-kquant.md). Here:
 - RMSNorm, RoPE and attention are one call each into the extension (``csrc/layer.cpp``);
   RMSNorm and RoPE give HF's bits (tested), so a prefill's logits are what they were.
 - The decoder layer's forward calls them directly (:class:`LeanDecoderLayer`), without a
-  module call per norm, attention and MLP.
+  module call per norm, attention and MLP; and once the sequence's cache has room in place (every
+  pass after its first), the whole layer is one extension call (``lean_layer``: the same kernels
+  in the same order, so the same bits, tested), which writes the new keys and values into the
+  cache's buffers itself. On a small model the Python and dispatch around the kernels were a
+  fifth of a decoding step.
 
 Attention sums in another order than torch's ``bmm`` (AVX-512, scores of a kv head's query
 heads together), so verification and decoding logits differ from before by float rounding;
@@ -42,6 +46,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from specdec.cache.buffer import BufferLayer
 from specdec.target import kquant
 from specdec.target.attention import (
     ROWWISE_ATTENTION,
@@ -332,8 +337,23 @@ class LeanDecoderLayer:
         parts = self.__dict__.get("_lean_parts")
         if parts is None:
             parts = self._bind_lean_parts()
-        attn, w1, eps1, o_mm, mlp_rows, w2, eps2 = parts
+        attn, w1, eps1, o_mm, mlp_rows, w2, eps2, fused = parts
         x = hidden_states.view(t, hidden)
+        layers = getattr(cache, "layers", None)
+        slot = None
+        if layers is not None and isinstance(layer := layers[attn.layer_idx], BufferLayer):
+            slot = layer.room(t)
+        if slot is not None:  # the whole layer in one extension call, writing the cache in place
+            kb, vb, n = slot
+            allowed = None
+            if attention_mask is not None:
+                allowed = attention_mask[0, 0]
+                if allowed.dtype != torch.bool:
+                    allowed = allowed > torch.finfo(allowed.dtype).min / 2
+            cos, sin = position_embeddings
+            x = ext.lean_layer(fused, x, cos[0], sin[0], kb[0], vb[0], n, allowed)
+            layer.extend_to(n + t)
+            return x.view(1, t, hidden)
         q, k, v = attn.project(
             ext.rms_norm(x, w1, eps1), position_embeddings[0][0], position_embeddings[1][0]
         )
@@ -346,6 +366,21 @@ class LeanDecoderLayer:
         submodules and parameters through ``nn.Module.__getattr__`` costs a few hundred lookups
         a decoding step on a small model."""
         attn, n1, n2 = self.self_attn, self.input_layernorm, self.post_attention_layernorm
+        ext = kquant.extension()
+        fused = ext.LeanLayer(
+            n1.weight,
+            n1.variance_epsilon,
+            n2.weight,
+            n2.variance_epsilon,
+            [_lin(ext, g.linear) for g in attn._qkv],
+            [g.widths for g in attn._qkv],
+            attn.head_dim,
+            attn.scaling,
+            _lin(ext, attn.o_proj),
+            [_lin(ext, g.linear) for g in self.mlp._gate_up],
+            [g.widths for g in self.mlp._gate_up],
+            _lin(ext, self.mlp.down_proj),
+        )
         parts = (
             attn,
             n1.weight,
@@ -354,9 +389,16 @@ class LeanDecoderLayer:
             self.mlp.rows,
             n2.weight,
             n2.variance_epsilon,
+            fused,
         )
         object.__setattr__(self, "_lean_parts", parts)
         return parts
+
+
+def _lin(ext: Any, linear: KQuantLinear) -> Any:
+    """``linear`` as the extension's ``Lin`` (the same tensors, not copies)."""
+    bias = linear.bias if linear.bias is not None else torch.empty(0)
+    return ext.Lin(linear.codes, linear.meta, linear.d, linear.dmin, bias, linear.kind_id)
 
 
 _LEAN_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}

@@ -621,6 +621,13 @@ torch::Tensor kquant_mm(torch::Tensor x, torch::Tensor codes, torch::Tensor meta
 
 }  // namespace
 
+// For layer.cpp's fused decoder layer: the same call as ``kquant_mm`` from Python (the best path).
+torch::Tensor kquant_linear(const torch::Tensor& x, const torch::Tensor& codes,
+                            const torch::Tensor& meta, const torch::Tensor& d,
+                            const torch::Tensor& dmin, int64_t kind) {
+  return kquant_mm_on(x, codes, meta, d, dmin, kind, best_path());
+}
+
 void register_layer_ops(pybind11::module& m);  // layer.cpp
 
 // The compute entry points release the GIL while they run: a server's HTTP thread then

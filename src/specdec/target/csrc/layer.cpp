@@ -18,6 +18,11 @@
 #include <limits>
 #include <vector>
 
+// csrc/kquant.cpp: rows x quantised blocks on this CPU's best kernel path
+torch::Tensor kquant_linear(const torch::Tensor& x, const torch::Tensor& codes,
+                            const torch::Tensor& meta, const torch::Tensor& d,
+                            const torch::Tensor& dmin, int64_t kind);
+
 namespace {
 
 constexpr int LANES = 16;  // partial sums per reduction, in a fixed order
@@ -275,12 +280,104 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor value
   return out;
 }
 
+// ---- a whole decoder layer in one call -----------------------------------------------------
+// The lean layer's forward (kquant_layers.LeanDecoderLayer) for one sequence's rows, the same
+// operations in the same order (the same functions and ATen kernels, so the same bits), without
+// the fifteen Python calls and torch dispatches a layer took around its linears.
+
+struct Lin {  // one KQuantLinear (or a run of them fused into one call)
+  torch::Tensor codes, meta, d, dmin, bias;  // bias: empty when the layer has none
+  int64_t kind;
+  torch::Tensor mm(const torch::Tensor& x) const {
+    auto y = kquant_linear(x, codes, meta, d, dmin, kind);
+    if (bias.numel()) y.add_(bias);
+    return y;
+  }
+};
+
+struct LeanLayer {
+  torch::Tensor w1, w2;  // the two RMSNorm weights
+  double eps1, eps2;
+  std::vector<Lin> qkv;  // runs of q, k, v of one kind, in that order
+  std::vector<std::vector<int64_t>> qkv_widths;  // the outputs each run holds
+  int64_t head_dim;
+  double scaling;
+  Lin o;
+  std::vector<Lin> gate_up;
+  std::vector<std::vector<int64_t>> gate_up_widths;
+  Lin down;
+};
+
+// Each run's output split into its layers' outputs (column views), in order.
+std::vector<torch::Tensor> apply_runs(const std::vector<Lin>& runs,
+                                      const std::vector<std::vector<int64_t>>& widths,
+                                      const torch::Tensor& x) {
+  std::vector<torch::Tensor> out;
+  for (size_t g = 0; g < runs.size(); ++g) {
+    auto y = runs[g].mm(x);
+    int64_t off = 0;
+    for (int64_t w : widths[g]) {
+      out.push_back(y.narrow(1, off, w));
+      off += w;
+    }
+  }
+  return out;
+}
+
+// x [T, hidden] float32; cos/sin [T, D]; kbuf/vbuf [kv_heads, capacity, D]: the layer's cache
+// buffers, holding n entries, with room for T more (written here); allowed: [T, n + T] bool or
+// none (causal). Returns the layer's output [T, hidden].
+torch::Tensor lean_layer(const LeanLayer& L, const torch::Tensor& x_in, const torch::Tensor& cos,
+                         const torch::Tensor& sin, const torch::Tensor& kbuf,
+                         const torch::Tensor& vbuf, int64_t n,
+                         c10::optional<torch::Tensor> allowed) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == torch::kFloat32,
+              "x must be [T, hidden] float32");
+  const auto x = x_in.contiguous();
+  const int64_t t = x.size(0), d = L.head_dim;
+  TORCH_CHECK(kbuf.dim() == 3 && vbuf.dim() == 3 && n + t <= kbuf.size(1) &&
+                  n + t <= vbuf.size(1),
+              "the cache buffers must be [kv_heads, capacity, D] with room for the rows");
+  auto qkv = apply_runs(L.qkv, L.qkv_widths, rms_norm(x, L.w1, L.eps1));
+  TORCH_CHECK(qkv.size() == 3, "q, k and v expected");
+  auto q = qkv[0].view({t, qkv[0].size(1) / d, d});
+  auto k = qkv[1].view({t, qkv[1].size(1) / d, d});
+  auto v = qkv[2].view({t, qkv[2].size(1) / d, d});
+  rope_(q, cos, sin);
+  rope_(k, cos, sin);
+  kbuf.narrow(1, n, t).copy_(k.transpose(0, 1));
+  vbuf.narrow(1, n, t).copy_(v.transpose(0, 1));
+  auto out = attention(q, kbuf.narrow(1, 0, n + t), vbuf.narrow(1, 0, n + t), allowed, L.scaling,
+                       false);
+  auto h = x + L.o.mm(out);
+  auto gu = apply_runs(L.gate_up, L.gate_up_widths, rms_norm(h, L.w2, L.eps2));
+  TORCH_CHECK(gu.size() == 2, "gate and up expected");
+  return h + L.down.mm(at::silu(gu[0]).mul_(gu[1]));
+}
+
 }  // namespace
 
 void register_layer_ops(pybind11::module& m) {
+  pybind11::class_<Lin>(m, "Lin")
+      .def(pybind11::init([](torch::Tensor codes, torch::Tensor meta, torch::Tensor d,
+                             torch::Tensor dmin, torch::Tensor bias, int64_t kind) {
+             return Lin{codes, meta, d, dmin, bias, kind};
+           }),
+           "one kquant linear: its block tensors, bias (empty: none) and kind");
+  pybind11::class_<LeanLayer>(m, "LeanLayer")
+      .def(pybind11::init([](torch::Tensor w1, double eps1, torch::Tensor w2, double eps2,
+                             std::vector<Lin> qkv, std::vector<std::vector<int64_t>> qkv_widths,
+                             int64_t head_dim, double scaling, Lin o, std::vector<Lin> gate_up,
+                             std::vector<std::vector<int64_t>> gate_up_widths, Lin down) {
+             return LeanLayer{w1, w2, eps1, eps2, qkv, qkv_widths, head_dim, scaling, o,
+                              gate_up, gate_up_widths, down};
+           }),
+           "a decoder layer's tensors for lean_layer");
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;  // as kquant_mm's
   m.def("rms_norm", &rms_norm, release(), "RMSNorm over the last axis, row by row (float32)");
   m.def("rope_", &rope_, release(), "rotate-half rotary embedding, in place, [T, heads, D]");
   m.def("attention", &attention, release(),
         "row-wise grouped-query attention over a cache view");
+  m.def("lean_layer", &lean_layer, release(),
+        "a Qwen2/Llama decoder layer over one sequence's rows, writing its cache in place");
 }
