@@ -84,13 +84,7 @@ class BufferLayer(DynamicLayer):
         assert self.keys is not None and self.values is not None
         n = self.keys.shape[-2] if self.keys.numel() else 0
         end = n + key_states.shape[-2]
-        kb = self._key_buffer
-        if (
-            kb is None
-            or end > kb.shape[-2]
-            or not self._owns_views()
-            or (kb.is_inference() and not torch.is_inference_mode_enabled())
-        ):
+        if self.room(key_states.shape[-2]) is None:
             self._grow(key_states, value_states, end)
         kb, vb = self._key_buffer, self._value_buffer
         assert kb is not None and vb is not None

@@ -122,6 +122,17 @@ def _apply(groups: Sequence[FusedRows], x: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
+def allowed_keys(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """One sequence's ``[T, N]`` bool mask (the keys each row may see) from the model's
+    ``[1, 1, T, N]`` mask, bool or additive; ``None`` (causal) stays ``None``."""
+    if attention_mask is None:
+        return None
+    allowed = attention_mask[0, 0]
+    if allowed.dtype != torch.bool:
+        allowed = allowed > torch.finfo(allowed.dtype).min / 2
+    return allowed
+
+
 class KQuantRMSNorm(nn.Module):
     """HF's Qwen2/Llama RMSNorm (fp32) as one extension call."""
 
@@ -194,12 +205,9 @@ class KQuantAttention(nn.Module):
         keys, values = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, kv_heads, T, D]
         if cache is not None:
             keys, values = cache.update(keys, values, self.layer_idx)  # type: ignore[attr-defined]
-        allowed = None
-        if attention_mask is not None:
-            allowed = attention_mask[0, 0]
-            if allowed.dtype != torch.bool:
-                allowed = allowed > torch.finfo(allowed.dtype).min / 2
-        return kquant.extension().attention(q, keys[0], values[0], allowed, self.scaling, False)
+        return kquant.extension().attention(
+            q, keys[0], values[0], allowed_keys(attention_mask), self.scaling, False
+        )
 
     def forward(
         self,
@@ -345,12 +353,8 @@ class LeanDecoderLayer:
             slot = layer.room(t)
         if slot is not None:  # the whole layer in one extension call, writing the cache in place
             kb, vb, n = slot
-            allowed = None
-            if attention_mask is not None:
-                allowed = attention_mask[0, 0]
-                if allowed.dtype != torch.bool:
-                    allowed = allowed > torch.finfo(allowed.dtype).min / 2
             cos, sin = position_embeddings
+            allowed = allowed_keys(attention_mask)
             x = ext.lean_layer(fused, x, cos[0], sin[0], kb[0], vb[0], n, allowed)
             layer.extend_to(n + t)
             return x.view(1, t, hidden)
