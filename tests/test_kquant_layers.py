@@ -195,3 +195,40 @@ def test_the_one_call_layer_gives_the_python_layers_bits(
     assert len(calls) == 2 * 6
     for got, want in zip(one_call, from_python, strict=True):
         assert torch.equal(got, want)
+
+
+def test_a_batch_of_one_row_takes_the_one_call_layer(tiny_tokenizer_dir, tmp_path, monkeypatch):
+    """A batched pass over a single sequence (a server with one client) runs each decoder
+    layer in one extension call on that row of the batch's cache, as a single sequence's pass
+    does, and gives the Python layers' bits: a prompt with a chain, a tree, a step after the
+    tree's path was committed. A pass of two rows keeps the per-module path."""
+    from specdec.batch.cache import SlotLayer
+    from specdec.batch.target import BatchTarget
+
+    loaded = kquant_model(tiny_tokenizer_dir, tmp_path, seed=8, lean=True, attention_bias=True)
+    prompt = loaded.tokenizer("First Citizen:\nBefore we proceed any further")["input_ids"]
+    tree = DraftTree(tokens=(5, 9, 11, 3), parents=(-1, 0, 0, 2))
+
+    def run(rows: int) -> list[torch.Tensor]:
+        target = BatchTarget(loaded)
+        for _ in range(rows):
+            prefill = target.start_prefill(prompt)
+            assert target.prefill_chunk(prefill, len(prompt)) is not None
+        out: list[torch.Tensor] = []
+        for step in (DraftTree.chain(prompt[-1], [17, 23]), tree, DraftTree.chain(7, [])):
+            logits = target.verify([step] * rows)
+            out += [x for x in logits if x is not None]
+            target.commit([[0, 2, 3] if step is tree else list(range(len(step)))] * rows)
+        return out
+
+    calls: list[int] = []
+    monkeypatch.setattr(SlotLayer, "extend_to", lambda self, n: calls.append(n))
+    one_call = run(1)
+    assert len(calls) == 2 * 3  # both layers, every pass of the single row
+    two_rows = run(2)
+    assert len(calls) == 2 * 3  # a pass of two rows writes through update
+    monkeypatch.setattr(SlotLayer, "room", lambda self, tokens: None)
+    from_python = run(1)
+    for got, want in zip(one_call, from_python, strict=True):
+        assert torch.equal(got, want)
+    assert all(torch.equal(a, b) for a, b in zip(one_call, two_rows[::2], strict=True))

@@ -5,7 +5,8 @@ back), medians of four alternations of 30 passes each.
     taskset -c 0,1 .venv/bin/python experiments/kquant/one_call_ab.py [MODEL] [THREADS]
 
 MODEL: a pack alias or path (default: the bundled SmolLM2-135M); THREADS default 2. The Python
-path is forced by making :meth:`BufferLayer.room` answer ``None`` (what a full buffer does).
+path is forced by making the lean layer's :func:`in_place` answer ``None`` (what a full buffer
+gets).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 
 import torch
 
-from specdec.cache.buffer import BufferLayer
+import specdec.target.kquant_layers as lean
 from specdec.target import ModelRunner, load_model
 
 
@@ -26,7 +27,7 @@ def main() -> None:
     loaded = load_model(model or None, dtype="kquant")
     runner = ModelRunner(loaded.model)
     runner.forward(list(range(100, 300)))
-    room = BufferLayer.room
+    in_place = lean.in_place
 
     def passes(n: int, k: int) -> None:
         for i in range(n):
@@ -37,7 +38,7 @@ def main() -> None:
         times: dict[str, list[float]] = {"python": [], "one-call": []}
         for _ in range(4):
             for mode in times:
-                BufferLayer.room = (lambda self, t: None) if mode == "python" else room  # type: ignore[method-assign]
+                lean.in_place = (lambda layer, t: None) if mode == "python" else in_place  # type: ignore[assignment]
                 passes(3, k)
                 t = time.perf_counter()
                 passes(30, k)
@@ -45,7 +46,7 @@ def main() -> None:
         med = {m: statistics.median(v) for m, v in times.items()}
         print(f"{model or 'bundled'} k={k}: python {med['python']:.2f} ms, one call "
               f"{med['one-call']:.2f} ms ({med['python'] / med['one-call']:.3f}x)")  # fmt: skip
-    BufferLayer.room = room  # type: ignore[method-assign]
+    lean.in_place = in_place  # type: ignore[assignment]
 
 
 if __name__ == "__main__":

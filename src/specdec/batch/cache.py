@@ -103,6 +103,27 @@ class SlotLayer(DynamicLayer):
             self.values[rows, :, packing.slots] = value_states[0].transpose(0, 1)
         return self.keys[lo:hi, :, :end], self.values[lo:hi, :, :end]
 
+    def room(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """The buffers of the pass's only row (``[1, heads, slots, dim]``) and the slot it
+        writes from, for a caller that writes the ``tokens`` new entries itself and attends
+        over them (the kquant decoder layer in one extension call, as on a single sequence's
+        cache); ``None`` where :meth:`update` must run: a pass of several rows, a packed pass,
+        the first entries, a buffer without the room."""
+        owner = self._owner
+        lo, hi = owner.rows
+        keys, values = self.keys, self.values
+        if hi - lo != 1 or owner.packing is not None or keys is None or values is None:
+            return None
+        at = owner.write_at
+        if owner.span != at + tokens or at + tokens > keys.shape[2]:
+            return None
+        if keys.is_inference() and not torch.is_inference_mode_enabled():
+            return None
+        return keys[lo : lo + 1], values[lo : lo + 1], at
+
+    def extend_to(self, n: int) -> None:
+        """Nothing to record: the owner's :meth:`SlotCache.commit` keeps each row's length."""
+
     def fit(self) -> None:
         """Grow the buffers to the owner's capacity (keeping their contents)."""
         if self.keys is None or self.values is None:

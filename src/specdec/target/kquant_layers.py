@@ -18,7 +18,8 @@ experiments/kquant/2026-12-05-kquant.md). Here:
   pass after its first), the whole layer is one extension call (``lean_layer``: the same kernels
   in the same order, so the same bits, tested), which writes the new keys and values into the
   cache's buffers itself. On a small model the Python and dispatch around the kernels were a
-  fifth of a decoding step.
+  fifth of a decoding step. A batch's pass over a single sequence (a server with one client)
+  takes the same call on that sequence's row of the batch's cache (:func:`in_place`).
 
 Attention sums in another order than torch's ``bmm`` (AVX-512, scores of a kv head's query
 heads together), so verification and decoding logits differ from before by float rounding;
@@ -46,7 +47,6 @@ from torch import nn
 from torch.nn import functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from specdec.cache.buffer import BufferLayer
 from specdec.target import kquant
 from specdec.target.attention import (
     ROWWISE_ATTENTION,
@@ -300,6 +300,16 @@ class KQuantMLP(nn.Module):
         return self.rows(x.reshape(-1, x.shape[-1]).float()).view(*x.shape[:-1], -1)
 
 
+def in_place(layer: object, tokens: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """Where a cache layer lets the one-call decoder layer write ``tokens`` entries itself:
+    its key and value buffers ``[1, heads, slots, dim]`` and the first slot, or ``None`` (a
+    cache layer that must be updated through ``update``). A single sequence's cache
+    (:class:`~specdec.cache.buffer.BufferLayer`) and a batch's cache during a pass of one row
+    (:class:`~specdec.batch.cache.SlotLayer`) answer ``room``; other layers have none."""
+    room = getattr(layer, "room", None)
+    return None if room is None else room(tokens)
+
+
 class LeanDecoderLayer:
     """The decoder-layer forward for one sequence's pass (a prefill, a verification, a decoding
     step): HF's order of operations (norm, attention, residual, norm, MLP, residual) as direct
@@ -348,10 +358,9 @@ class LeanDecoderLayer:
         attn, w1, eps1, o_mm, mlp_rows, w2, eps2, fused = parts
         x = hidden_states.view(t, hidden)
         layers = getattr(cache, "layers", None)
-        slot = None
-        if layers is not None and isinstance(layer := layers[attn.layer_idx], BufferLayer):
-            slot = layer.room(t)
-        if slot is not None:  # the whole layer in one extension call, writing the cache in place
+        layer = layers[attn.layer_idx] if layers is not None else None
+        slot = in_place(layer, t)
+        if slot is not None and layer is not None:  # the layer in one call, writing the cache
             kb, vb, n = slot
             cos, sin = position_embeddings
             allowed = allowed_keys(attention_mask)
