@@ -173,6 +173,48 @@ def test_catch_up_is_amortised_over_the_tokens_left():
     assert ctl.choose({}, cap=8, remaining=20, pending={"draft": 0}).arm == "draft"
 
 
+def test_catch_up_is_priced_over_the_lengths_recent_requests_reached():
+    """After short answers, a 300-token catch-up is priced over the 20-odd tokens such an
+    answer has left, not over the request's 500-token limit: the draft is not read in;
+    requests that ran to their limit count as long ones, and a request already past every
+    short one is priced over its limit again."""
+    arm = ArmSpec("draft", on_demand=True, draft_cost=0.25)
+    ctl = Controller([arm], kquant_like_costs(), ControllerConfig(max_draft=8, probe_every=64))
+    ctl.state["draft"].alphas = [0.9] * 8
+    ctl.state["draft"].observed = 10
+
+    def choice(generated: int) -> str | None:
+        left = ctl.expected_left(generated, 500 - generated)
+        return ctl.choose({}, cap=8, remaining=left, pending={"draft": 300}).arm
+
+    assert choice(0) == "draft"  # no history: the limit
+    for produced in (18, 25, 22):
+        ctl.record_length(produced, limited=False)
+    assert ctl.expected_left(0, 500) == 22
+    assert choice(0) is None
+    assert choice(30) == "draft"  # past all of them: the limit again
+    for _ in range(3):
+        ctl.record_length(500, limited=True)
+    assert ctl.expected_left(0, 500) == 261 and choice(0) == "draft"
+
+
+def test_the_engine_records_each_requests_length_for_greedy_pricing(tiny64, tiny_draft_dir):
+    """``auto`` learns request lengths as requests end (greedy and sampled alike; the limit
+    flagged), shares them with its forks, and a sampled request's fresh controller has none."""
+    spec = f"auto:arms=[prompt-lookup,draft:model={tiny_draft_dir}]"
+    engine = SpeculativeEngine.from_pretrained(tiny64, speculator=spec, num_draft_tokens=4)
+    engine.generate(PROMPTS[0], max_new_tokens=12, ignore_eos=True)
+    engine.generate(PROMPTS[1], max_new_tokens=40, stop=[" "])
+    arms = engine.arms
+    assert arms is not None
+    lengths = list(arms._shared.lengths)
+    assert lengths[0] == (12, True)
+    assert len(lengths) == 2 and not lengths[1][1] and lengths[1][0] < 40
+    assert arms.fork()._shared.lengths is arms._shared.lengths
+    sampled = Controller(arms.specs, arms._prior, arms.config)
+    assert not sampled.lengths and sampled.expected_left(0, 40) == 40
+
+
 def test_measured_catch_up_replaces_the_prior_except_when_frozen():
     arm = ArmSpec("draft", on_demand=True, draft_cost=0.25)
     ratios = {n: 1.0 + 0.15 * (n - 1) for n in range(1, 65)}
@@ -184,6 +226,21 @@ def test_measured_catch_up_replaces_the_prior_except_when_frozen():
     frozen.observe_catch_up("draft", 100, 5.0)
     assert frozen.state["draft"].catch_up_seconds is None
     assert frozen.catch_up_cost(arm, 100) == pytest.approx(0.25 * (1 + 0.15 * 63) / 64 * 100)
+
+
+def test_short_catch_ups_do_not_inflate_a_long_prompts_price():
+    """Catch-ups of a few tokens after skipped steps cost about one draft forward each; they
+    must not make a long prompt's price per token several times what its own pass cost (which
+    left the draft untried on every later request), nor a short one's free."""
+    arm = ArmSpec("draft", on_demand=True, draft_cost=0.25)
+    ctl = Controller([arm], CostModel(chain_ratios={n: 1.0 + 0.15 * (n - 1) for n in range(1, 65)}))
+    ctl.observe_draft_time("draft", 4, 4 * 0.012)  # 12 ms a drafted token
+    ctl.observe_catch_up("draft", 400, 0.012 + 400 * 0.004)  # a prompt: 4 ms a token
+    for _ in range(30):
+        ctl.observe_catch_up("draft", 3, 0.0135)  # a few skipped tokens: about one forward
+    long, short = ctl.catch_up_cost(arm, 700), ctl.catch_up_cost(arm, 3)
+    assert 0.7 * (0.012 + 700 * 0.004) < long < 1.2 * (0.012 + 700 * 0.004)
+    assert 0.012 <= short < 0.03
 
 
 def test_a_draft_model_reports_the_tokens_it_has_not_read(tiny64, tiny_draft_dir):

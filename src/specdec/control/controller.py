@@ -44,12 +44,22 @@ is made only when ``C`` is at most ``EXPLORE_SHARE`` of what the arm could save 
 ``R`` tokens if everything it drafted were accepted: a short prompt is worth the look, a
 741-token one is not when 128 tokens are left (:meth:`Controller._worth_exploring`).
 
+How many tokens are left is not known in advance: a request may end (its end-of-sequence token)
+long before its limit. A greedy controller keeps the lengths of the last ``LENGTH_HISTORY``
+requests and prices a catch-up over the tokens expected to be left, the mean over those recent
+requests that ran past this one's current length of what they had left from there (one that
+ran to its limit counts as reaching this one's); where none did, or with no history (sampled
+requests), over the tokens the limit leaves. Why: priced over a 128-token limit, reading the
+prompt looked cheap to the draft model in front of 15-30-token answers (translation, short
+questions), where it then cost more than the draft saved (experiments/auto/).
+
 Every decision is a function of acceptance outcomes and the cost model alone; with a frozen
 cost model (sampled requests) and fresh estimates it is reproducible for a given seed.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -59,6 +69,8 @@ from specdec.tree import DraftTree
 
 HOPELESS_PROBE_FACTOR = 8  # an arm that cannot pay even at full acceptance: probes this rarer
 EXPLORE_SHARE = 0.25  # a probe may spend this share of the arm's best-case saving on catch-up
+LENGTH_HISTORY = 32  # recent requests whose lengths price a catch-up (see the module doc)
+CATCH_UP_MEMORY = 64  # catch-up tokens read per decay step of the measured catch-up cost
 
 
 def size_class(tree: DraftTree) -> int:
@@ -139,7 +151,11 @@ class ArmState:
     alphas: list[float]  # on-demand arms, chains and small trees
     buckets: dict[int, list[float]] = field(default_factory=dict)  # larger offered trees
     draft_seconds: float | None = None  # measured, per token (chains) or per step (trees)
-    catch_up_seconds: float | None = None  # measured, per committed token read (draft models)
+    # measured, per committed token read beyond one forward's fixed cost (draft models): the
+    # decayed sums of those seconds and of the tokens read, so a long pass weighs its length
+    catch_up_seconds: float | None = None
+    catch_up_excess: float = 0.0
+    catch_up_tokens: float = 0.0
     nodes: float = 0.0  # trees: moving averages of drafted nodes and depth
     depth: float = 0.0
     chosen: int = 0
@@ -161,6 +177,8 @@ class Controller:
     costs: CostModel = field(default_factory=CostModel.prior)
     config: ControllerConfig = field(default_factory=ControllerConfig)
     state: dict[str, ArmState] = field(default_factory=dict)
+    # (tokens produced, ran to its limit) of recent requests, newest last
+    lengths: deque[tuple[int, bool]] = field(default_factory=lambda: deque(maxlen=LENGTH_HISTORY))
 
     def __post_init__(self) -> None:
         names = [a.name for a in self.arms]
@@ -236,16 +254,26 @@ class Controller:
             return self._tree_rate(spec, min(depth, nodes), nodes + 1, alphas=certain)
         return self._chain_best(spec, cap, alphas=certain)[1]
 
+    def _pass_overhead(self, spec: ArmSpec) -> float:
+        """The fixed part of a catch-up pass: one forward of the draft (its measured time per
+        drafted token; 0 for tree drafters, whose time is per step, and before it is timed)."""
+        st = self.state[spec.name]
+        return st.draft_seconds if st.draft_seconds is not None and not spec.tree else 0.0
+
     def catch_up_cost(self, spec: ArmSpec, tokens: int) -> float:
-        """Seconds for ``spec`` to read ``tokens`` committed tokens before it can draft: as
-        measured per token, or (unmeasured, or sampled requests' frozen costs) its per-token
-        drafting cost times the target's per-token cost of a long pass, since a draft model
-        reads a gap in one pass as the target reads a prompt."""
+        """Seconds for ``spec`` to read ``tokens`` committed tokens before it can draft: one
+        forward plus the measured cost per token beyond it, or (unmeasured, or sampled
+        requests' frozen costs) its per-token drafting cost times the target's per-token cost
+        of a long pass, since a draft model reads a gap in one pass as the target reads a
+        prompt. Why affine: the catch-ups after a few skipped steps read 2-5 tokens in a pass
+        that costs about one forward, and priced per token alone they made a long prompt's
+        catch-up look several times dearer than it was, so the draft stopped being tried on
+        later requests (experiments/auto/)."""
         if tokens <= 0 or not spec.on_demand:
             return 0.0
         measured = self.state[spec.name].catch_up_seconds
         if measured is not None and not self.costs.frozen:
-            return measured * tokens
+            return self._pass_overhead(spec) + measured * tokens
         st = self.state[spec.name]
         per_token = (
             st.draft_seconds
@@ -352,6 +380,33 @@ class Controller:
             self.state[best.arm].chosen += 1
         return best
 
+    def expected_left(self, generated: int, remaining: int) -> int:
+        """Tokens a request that has produced ``generated`` and may produce ``remaining`` more
+        is expected to still produce, from the recent requests' lengths (see the module doc):
+        ``remaining`` where none ran past ``generated`` or none is recorded.
+
+        >>> c = Controller([ArmSpec("a")])
+        >>> c.expected_left(0, 128)
+        128
+        >>> for produced, limited in ((20, False), (30, False), (128, True)):
+        ...     c.record_length(produced, limited)
+        >>> c.expected_left(0, 128), c.expected_left(25, 103), c.expected_left(40, 88)
+        (60, 54, 88)
+        """
+        left = [
+            remaining if limited else min(remaining, produced - generated)
+            for produced, limited in self.lengths
+            if limited or produced > generated
+        ]
+        if not left:
+            return remaining
+        return max(1, -(-sum(left) // len(left)))
+
+    def record_length(self, produced: int, limited: bool) -> None:
+        """A request ended after producing ``produced`` tokens (``limited``: it reached its
+        limit, so it could have gone on)."""
+        self.lengths.append((max(0, produced), limited))
+
     # -- learning ---------------------------------------------------------------------------------
     def observe(self, choice: Choice, depth: int, accepted: int, nodes: int | None = None) -> None:
         """Update the chosen arm's estimates from one verification: ``depth`` drafted, the
@@ -414,11 +469,11 @@ class Controller:
         if self.costs.frozen or tokens < 1 or not seconds > 0 or arm not in self.state:
             return
         st = self.state[arm]
-        unit = seconds / tokens
-        d = self.costs.decay
-        st.catch_up_seconds = (
-            unit if st.catch_up_seconds is None else d * st.catch_up_seconds + (1 - d) * unit
-        )
+        d = self.costs.decay ** (tokens / CATCH_UP_MEMORY)  # old evidence fades per token read
+        excess = max(0.0, seconds - self._pass_overhead(self._specs[arm]))
+        st.catch_up_excess = d * st.catch_up_excess + excess
+        st.catch_up_tokens = d * st.catch_up_tokens + tokens
+        st.catch_up_seconds = st.catch_up_excess / st.catch_up_tokens
 
     def counts(self) -> dict[str, int]:
         """How often each arm was chosen (the statistics' choice counts come per request)."""

@@ -235,6 +235,9 @@ class Decoder:
         if not req.plain:
             for s in req.speculators:
                 s.end_request(list(req.tokens), req.prompt_len)
+            if req.arms is not None:
+                produced = len(req.tokens) - req.prompt_len
+                req.arms.end_request(produced, produced >= req.config.max_new_tokens)
 
     def budget_policy(self, config: GenerationConfig) -> Budget:
         """How a request's drafts are sized: by the arm controller or a tree speculator (a node

@@ -148,6 +148,12 @@ class ArmController:
         self._unchosen = []
         self._backlog, self._backlog_end = {}, {}
 
+    def end_request(self, produced: int, limited: bool) -> None:
+        """A request ended after producing ``produced`` tokens (``limited``: at its limit); its
+        length joins the history that prices the next requests' catch-ups. The greedy
+        controller keeps it (shared by forks); sampled requests never read it."""
+        self._shared.record_length(produced, limited)
+
     def fork(self) -> ArmController:
         """A controller for one more concurrent request (batched decoding): its own arm
         instances (:meth:`Speculator.fork`) and per-request state; the greedy controller's
@@ -262,7 +268,11 @@ class ArmController:
             for spec in self.specs
             if spec.on_demand
         }
-        choice = controller.choose(offers, chain_cap, remaining=context.remaining, pending=pending)
+        remaining = context.remaining
+        if remaining is not None:  # what this request is expected to have left, from past ones
+            generated = len(context.tokens) - context.prompt_len
+            remaining = controller.expected_left(generated, remaining)
+        choice = controller.choose(offers, chain_cap, remaining=remaining, pending=pending)
         tree = DraftTree.root_only(root)
         if choice.arm is not None:
             spec = next(s for s in self.specs if s.name == choice.arm)
