@@ -42,7 +42,9 @@ def before(controller: Controller) -> None:
         st = controller.state[arm]
         unit, d = seconds / tokens, controller.costs.decay
         old = st.catch_up_seconds
-        st.catch_up_seconds = unit if old is None else d * old + (1 - d) * unit
+        # the average per token, held as the sums the controller reads it from
+        st.catch_up_excess = unit if old is None else d * old + (1 - d) * unit
+        st.catch_up_tokens = 1.0
 
     controller.expected_left = lambda generated, remaining: remaining  # type: ignore[method-assign]
     controller._pass_overhead = lambda spec: 0.0  # type: ignore[method-assign]

@@ -151,9 +151,8 @@ class ArmState:
     alphas: list[float]  # on-demand arms, chains and small trees
     buckets: dict[int, list[float]] = field(default_factory=dict)  # larger offered trees
     draft_seconds: float | None = None  # measured, per token (chains) or per step (trees)
-    # measured, per committed token read beyond one forward's fixed cost (draft models): the
-    # decayed sums of those seconds and of the tokens read, so a long pass weighs its length
-    catch_up_seconds: float | None = None
+    # catch-ups measured (draft models): decayed sums of the seconds beyond one forward's fixed
+    # cost and of the tokens read, so a long pass weighs its length
     catch_up_excess: float = 0.0
     catch_up_tokens: float = 0.0
     nodes: float = 0.0  # trees: moving averages of drafted nodes and depth
@@ -162,6 +161,12 @@ class ArmState:
     observed: int = 0
     since_chosen: int = 0
     probe_interval: int = 8
+
+    @property
+    def catch_up_seconds(self) -> float | None:
+        """Measured catch-up cost per committed token read, beyond one forward (``None``:
+        none measured)."""
+        return self.catch_up_excess / self.catch_up_tokens if self.catch_up_tokens else None
 
     def alphas_for(self, bucket: int, prior: float) -> list[float]:
         if bucket == 0:
@@ -473,7 +478,6 @@ class Controller:
         excess = max(0.0, seconds - self._pass_overhead(self._specs[arm]))
         st.catch_up_excess = d * st.catch_up_excess + excess
         st.catch_up_tokens = d * st.catch_up_tokens + tokens
-        st.catch_up_seconds = st.catch_up_excess / st.catch_up_tokens
 
     def counts(self) -> dict[str, int]:
         """How often each arm was chosen (the statistics' choice counts come per request)."""

@@ -44,6 +44,7 @@ from specdec.speculators.cross_vocab import CrossVocabSpeculator, build_cross_vo
 from specdec.speculators.draft_vocab import SubsetHead
 from specdec.speculators.spec import SpeculatorOptions, option, register
 from specdec.target import LoadedModel, ModelRunner, TokenRunner, early_exit_model
+from specdec.target.backends import KQUANT
 from specdec.target.drafts import (  # noqa: F401 - names this module has always offered
     LlamaCppDraft,
     check_draft_dtype,
@@ -105,7 +106,6 @@ class TreeShape:
 
 
 AUTO_TREE = TreeShape(width=2, depths=2, below=0.8, frontier=4)
-KQUANT = "kquant"  # the numerics whose linears are a GGUF file's own blocks
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,7 +177,7 @@ class DraftOptions(SpeculatorOptions):
                 "target's LM head); drop vocab="
             )
         check_draft_dtype(self.dtype, chain=TreeShape.parse(self.tree) is None, vocab=self.vocab)
-        if self.dtype == KQUANT and self.vocab:
+        if self.dtype == KQUANT.name and self.vocab:
             raise ConfigError(
                 f"draft: vocab={self.vocab} scores a reduced copy of the draft's LM head, which "
                 "has no GGUF blocks for dtype=kquant to run; use vocab=0 (the file's own head) "
@@ -773,7 +773,7 @@ def _build(
     model = draft.model
     vocab_size = int(draft.model.config.vocab_size)
     vocab = options.vocab if options.vocab is not None else default_draft_vocab(draft)
-    if draft.dtype_name == KQUANT and options.vocab is None:
+    if draft.backend is KQUANT and options.vocab is None:
         vocab = 0  # a reduced head would have no GGUF blocks: the file's own head
     if vocab and vocab < vocab_size:
         from specdec.speculators.draft_vocab import draft_vocabulary, with_subset_head
