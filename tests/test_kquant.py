@@ -504,3 +504,34 @@ def test_a_batch_of_the_bundled_file_equals_each_sequence_alone():
     solo = [engine.generate(p, **kw).token_ids for p in prompts]
     batched = engine.generate_batch(prompts, max_batch=6, **kw)
     assert [r.token_ids for r in batched] == solo
+
+
+def test_a_draft_head_over_a_subset_keeps_the_file_blocks_and_their_bits(
+    tiny_tokenizer_dir, tmp_path
+):
+    """``vocab=N`` on a kquant draft: the subset head is the chosen rows' own blocks (no float
+    copy), each kept logit has the full head's bits, the rest are ``-inf``, and the request's
+    context tokens outside the subset are scored from the head's exact rows."""
+    from specdec.speculators.draft_vocab import SubsetHead, with_subset_head
+
+    loaded = kquant_model(tiny_tokenizer_dir, tmp_path, seed=8, lean=True)
+    ids = torch.tensor([3, 7, 11, 40, 41, 200])
+    view = with_subset_head(loaded.model, ids, "kquant")
+    head = view.get_output_embeddings()
+    assert isinstance(head, SubsetHead) and isinstance(head.head, KQuantLinear)
+    assert head.head.out_features == len(ids) and head.head.kind == "Q4_K"
+    assert isinstance(loaded.model.get_output_embeddings(), KQuantLinear)  # left as it was
+    x = torch.tensor([[5, 9, 14, 2, 300]])
+    with torch.inference_mode():
+        full = loaded.model(input_ids=x).logits
+        part = view(input_ids=x).logits
+    keep = torch.zeros(full.shape[-1], dtype=torch.bool)
+    keep[ids] = True
+    assert torch.equal(part[..., ids], full[..., ids])
+    assert torch.isinf(part[..., ~keep]).all() and (part[..., ~keep] < 0).all()
+    head.include([300, 301])
+    with torch.inference_mode():
+        extra = view(input_ids=x).logits[..., [300, 301]]
+    # float32 rows against int8-rounded activations: close, not the same bits
+    torch.testing.assert_close(extra, full[..., [300, 301]], rtol=0.05, atol=0.05)
+    assert torch.isinf(view(input_ids=x).logits[..., 302]).all()

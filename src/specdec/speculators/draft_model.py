@@ -44,7 +44,6 @@ from specdec.speculators.cross_vocab import CrossVocabSpeculator, build_cross_vo
 from specdec.speculators.draft_vocab import SubsetHead
 from specdec.speculators.spec import SpeculatorOptions, option, register
 from specdec.target import LoadedModel, ModelRunner, TokenRunner, early_exit_model
-from specdec.target.backends import KQUANT
 from specdec.target.drafts import (  # noqa: F401 - names this module has always offered
     LlamaCppDraft,
     check_draft_dtype,
@@ -125,7 +124,8 @@ class DraftOptions(SpeculatorOptions):
         "requantized once to Q4_0 by llama.cpp; llama.cpp drafts chains only); it cannot "
         "change the output, which the target verifies. Default on a CPU: gguf-q4_0 for a "
         "chain drafted from a GGUF file or model pack where llama-cpp-python is installed (the "
-        "fastest draft measured), else int4 (int8-dynamic where int4 cannot pack a layer); "
+        "fastest draft measured), else kquant for a GGUF file or pack the kernel covers (its "
+        "own blocks), else int4 (int8-dynamic where int4 cannot pack a layer); "
         "the target's numerics elsewhere and for a float64 target",
     )
     vocab: int | None = option(
@@ -177,12 +177,6 @@ class DraftOptions(SpeculatorOptions):
                 "target's LM head); drop vocab="
             )
         check_draft_dtype(self.dtype, chain=TreeShape.parse(self.tree) is None, vocab=self.vocab)
-        if self.dtype == KQUANT.name and self.vocab:
-            raise ConfigError(
-                f"draft: vocab={self.vocab} scores a reduced copy of the draft's LM head, which "
-                "has no GGUF blocks for dtype=kquant to run; use vocab=0 (the file's own head) "
-                "or another dtype"
-            )
 
 
 class _Calibration:
@@ -773,8 +767,6 @@ def _build(
     model = draft.model
     vocab_size = int(draft.model.config.vocab_size)
     vocab = options.vocab if options.vocab is not None else default_draft_vocab(draft)
-    if draft.backend is KQUANT and options.vocab is None:
-        vocab = 0  # a reduced head would have no GGUF blocks: the file's own head
     if vocab and vocab < vocab_size:
         from specdec.speculators.draft_vocab import draft_vocabulary, with_subset_head
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -173,7 +173,8 @@ class SubsetHead(nn.Module):
     (argmax, q rows for the sampling rule, top-k children) is unchanged.
 
     With ``rows`` (the full ``[V, hidden]`` output weight, e.g. a tied input embedding that the
-    model keeps anyway), tokens of the request's context outside the subset are scored too
+    model keeps anyway, or a function from token ids to those rows: a quantised head dequantises
+    just the rows asked for), tokens of the request's context outside the subset are scored too
     (:meth:`include`): a summary or a translation copies names and rare words from its prompt,
     which a frequency ranking misses (on the Qwen pair the top 32 k tokens cover fewer of a
     summary's tokens than of answers overall: experiments/draft-model/2026-12-03-draft-vocab.md)."""
@@ -181,7 +182,11 @@ class SubsetHead(nn.Module):
     ids: torch.Tensor  # a buffer: moves with the module
 
     def __init__(
-        self, head: nn.Module, ids: torch.Tensor, vocab_size: int, rows: torch.Tensor | None
+        self,
+        head: nn.Module,
+        ids: torch.Tensor,
+        vocab_size: int,
+        rows: torch.Tensor | Callable[[torch.Tensor], torch.Tensor] | None,
     ) -> None:
         super().__init__()
         self.head = head
@@ -206,7 +211,10 @@ class SubsetHead(nn.Module):
             self._extra = []
         self._extra = [*self._extra, *sorted(new)][:MAX_EXTRA]
         self._extra_ids = torch.tensor(self._extra, dtype=torch.long, device=self.ids.device)
-        self._extra_rows = self.rows.index_select(0, self._extra_ids)  # [E, hidden]
+        if isinstance(self.rows, torch.Tensor):
+            self._extra_rows = self.rows.index_select(0, self._extra_ids)  # [E, hidden]
+        else:
+            self._extra_rows = self.rows(self._extra_ids)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         part = self.head(hidden)  # [..., N]
@@ -222,11 +230,35 @@ def with_subset_head(model: PreTrainedModel, ids: torch.Tensor, dtype_name: str)
     """A view of ``model`` whose LM head scores only ``ids``: every other submodule (and so
     every weight) is shared with ``model``, which is left as it was (another speculator may
     draft with its full head)."""
-    from specdec.target.numerics import dense_weight, linear_like
-
     head = model.get_output_embeddings()
     if head is None:
         raise ConfigError("draft: vocab= needs a model with an output embedding (LM head)")
+    device = next(iter(model.parameters())).device
+    select = getattr(head, "select_rows", None)
+    if callable(select):  # a head in a GGUF file's own blocks: keep the chosen rows' blocks
+        vocab_size = int(head.out_features)
+        # extras are scored in float32 from the head's own rows, dequantised as the file does
+        subset = SubsetHead(select(ids), ids.to(device), vocab_size, head.exact_rows)
+    else:
+        subset = _dense_subset_head(model, head, ids, dtype_name, device)
+    view = object.__new__(type(model))
+    view.__dict__ = dict(model.__dict__)
+    view._modules = dict(model._modules)  # its own module table: the head differs, nothing else
+    view.set_output_embeddings(subset)
+    return view
+
+
+def _dense_subset_head(
+    model: PreTrainedModel,
+    head: nn.Module,
+    ids: torch.Tensor,
+    dtype_name: str,
+    device: torch.device,
+) -> SubsetHead:
+    """The subset head of a float (or repacked low-bit) head: its rows copied out in float32,
+    then converted to the draft's numerics ``dtype_name``."""
+    from specdec.target.numerics import dense_weight, linear_like
+
     vocab_size = int(getattr(head, "out_features", 0)) or int(model.config.vocab_size)
     weight = getattr(head, "weight", None)
     if not isinstance(weight, torch.Tensor):  # a swapped (prepacked, low-bit) head: fp32
@@ -241,17 +273,10 @@ def with_subset_head(model: PreTrainedModel, ids: torch.Tensor, dtype_name: str)
             sub.bias.copy_(bias.detach().index_select(0, ids.to(bias.device)))
     hidden = sub.in_features
     del weight  # a low-bit head's dense copy is large (544 MB for Qwen's 151,936 x 896)
-    device = next(iter(model.parameters())).device
     rows = None
     embedding = getattr(model.get_input_embeddings(), "weight", None)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     if tied and isinstance(embedding, torch.Tensor):
         if tuple(embedding.shape) == (vocab_size, hidden):
             rows = embedding.detach()  # the head's own rows, held by the model anyway
-    head_sub = linear_like(sub, dtype_name, device)
-    subset = SubsetHead(head_sub, ids.to(device), vocab_size, rows)
-    view = object.__new__(type(model))
-    view.__dict__ = dict(model.__dict__)
-    view._modules = dict(model._modules)  # its own module table: the head differs, nothing else
-    view.set_output_embeddings(subset)
-    return view
+    return SubsetHead(linear_like(sub, dtype_name, device), ids.to(device), vocab_size, rows)

@@ -4,7 +4,8 @@
 A draft's numerics cannot change the output (the target verifies every drafted token), only
 how often it is accepted and what it costs, so the draft runs in whatever is fastest: llama.cpp
 from its GGUF file requantized to Q4_0 where it can (a chain drafted from a GGUF file or pack
-for a CPU target, llama-cpp-python installed), else torch's ``int4``; a float64 target is an
+for a CPU target, llama-cpp-python installed), else in torch: a GGUF file's own blocks through
+specdec's kernel (``kquant``) where it covers the file, else ``int4``; a float64 target is an
 exactness reference and keeps its numerics for its draft, and off the CPU the draft runs in the
 target's numerics.
 """
@@ -20,10 +21,10 @@ import torch
 
 from specdec.errors import ConfigError, ModelNotFoundError, VocabularyMismatchError
 from specdec.target import llamacpp
-from specdec.target.backends import backend_for
+from specdec.target.backends import KQUANT, backend_for
 from specdec.target.backends.llamacpp import DEFAULT_DRAFT_DTYPE, parse_draft_dtype
 from specdec.target.backends.lowbit import ANY_SHAPE, INT4
-from specdec.target.base import LoadedModel
+from specdec.target.base import LoadedModel, ModelSource
 from specdec.target.checkpoints import gguf_tokenizer
 from specdec.target.llamacpp import LlamaCppRunner, LlamaModel
 from specdec.target.loading import load_named
@@ -145,6 +146,8 @@ def load_torch_draft(
         draft = _load_shared(spec, dtype, target.device)
     else:
         dtype = default_draft_dtype(target)
+        if dtype == INT4 and _runs_own_blocks(spec):
+            dtype = KQUANT.name
         try:
             draft = _load_shared(spec, dtype, target.device)
         except ConfigError as error:
@@ -155,6 +158,23 @@ def load_torch_draft(
     if not any_vocabulary:
         check_same_vocabulary(target, draft)
     return draft
+
+
+def _runs_own_blocks(spec: str) -> bool:
+    """Whether a draft ``spec`` is a GGUF file or pack whose own blocks specdec's kernel runs on
+    this CPU (``kquant``): then a torch draft (a tree, ``vocab=``) runs them rather than
+    rounding them again to ``int4``; a drafted token of the Qwen2.5-Coder 0.5B costs less there
+    at one row and at four (experiments/draft-model/2026-12-07-kquant-draft.md)."""
+    from specdec.target.loading import choose_dtype
+
+    is_file = spec.lower().endswith(".gguf")
+    if not is_file and not (is_pack(spec) and not Path(spec).exists()):
+        return False
+    source = ModelSource(gguf=spec) if is_file else ModelSource(model=spec)
+    try:
+        return choose_dtype(source)[0] == KQUANT.name
+    except (ConfigError, ModelNotFoundError):
+        return False  # the loader names what is wrong with the file
 
 
 def draft_gguf_path(spec: str) -> Path:

@@ -293,6 +293,19 @@ class KQuantLinear(nn.Module):
 
         return self._exact(pick(self.codes), pick(self.meta), pick(self.d), pick(self.dmin))
 
+    def select_rows(self, rows: torch.Tensor) -> KQuantLinear:
+        """A layer of just the output channels ``rows`` (int64 ``[R]``), in the same blocks: a
+        draft's LM head over its most frequent tokens reads only their rows, and each channel's
+        output keeps its bits (channels are independent in the kernel)."""
+
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t if t.numel() == 0 else t.index_select(0, rows).contiguous()
+
+        parts = {"codes": pick(self.codes), "meta": pick(self.meta)}
+        parts.update(d=pick(self.d), dmin=pick(self.dmin))
+        bias = None if self.bias is None else self.bias.index_select(0, rows)
+        return type(self)(self.kind, parts, self.in_features, bias)
+
     def _exact(
         self, codes: torch.Tensor, meta: torch.Tensor, d_: torch.Tensor, dmin_: torch.Tensor
     ) -> torch.Tensor:
