@@ -13,6 +13,8 @@ bundled model is converted once, not once per test or per run.
 
 from __future__ import annotations
 
+import functools
+import lzma
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,7 +32,10 @@ os.environ.setdefault("SPECDEC_PIN_THREADS", "0")
 # skip (see shared_data). SPECDEC_SHARED_DATA points elsewhere, or at a missing path to check that.
 SHARED_DATA = Path(os.environ.get("SPECDEC_SHARED_DATA", REPO.parent / "shared" / "data"))
 SHARED = SHARED_DATA.parent
-CORPUS = SHARED_DATA / "corpus" / "tinyshakespeare.txt"
+# Tiny Shakespeare (karpathy/char-rnn, public-domain text; shared/data/README.md lists it), a
+# copy in the repository: the tiny tokenizers are trained on it, and a tokenizer trained on other
+# text would change which tokens the fixtures' models draft, so every clone must train on it.
+CORPUS_XZ = REPO / "tests" / "data" / "tinyshakespeare.txt.xz"
 SHARED_DATA_HINT = (
     "the team's shared data sets (../shared/data beside the checkout, or SPECDEC_SHARED_DATA; "
     "each file is a public data set listed with its source in shared/data/README.md)"
@@ -60,14 +65,11 @@ def spec_bench_questions() -> list[dict]:
     return [json.loads(line) for line in lines if line.strip()]
 
 
-def _corpus_lines() -> list[str]:
-    if CORPUS.is_file():
-        return CORPUS.read_text(encoding="utf-8").splitlines()
-    # Fallback so the suite still runs outside the team checkout: any English text will do, and
-    # the package ships Spec-Bench's questions.
-    return [
-        line for q in spec_bench_questions() for turn in q["turns"] for line in turn.splitlines()
-    ]
+@functools.cache
+def corpus_lines() -> tuple[str, ...]:
+    """The lines of the repository's copy of Tiny Shakespeare (what the tiny tokenizers and
+    prompts are made from, whether or not the shared data sets are beside the checkout)."""
+    return tuple(lzma.decompress(CORPUS_XZ.read_bytes()).decode("utf-8").splitlines())
 
 
 def build_tokenizer(vocab_size: int, out: Path) -> None:
@@ -83,7 +85,7 @@ def build_tokenizer(vocab_size: int, out: Path) -> None:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus_lines(), trainer=trainer)
+    tok.train_from_iterator(corpus_lines(), trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>")
     fast.chat_template = TINY_CHAT_TEMPLATE
     fast.save_pretrained(out)

@@ -60,7 +60,7 @@ def byte_fallback_tokenizer(out: Path) -> Path:
     text encoded, and bytes ``<0xNN>`` for every character outside a 60-character alphabet."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from tests.conftest import CORPUS, spec_bench_questions
+    from tests.conftest import corpus_lines
 
     tok = Tokenizer(models.BPE(byte_fallback=True))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
@@ -78,11 +78,7 @@ def byte_fallback_tokenizer(out: Path) -> Path:
         limit_alphabet=60,
         show_progress=False,
     )
-    if CORPUS.is_file():
-        lines = CORPUS.read_text(encoding="utf-8").splitlines()[:4000]
-    else:  # any English text will do (conftest's fallback too)
-        lines = [t for q in spec_bench_questions() for t in q["turns"]]
-    tok.train_from_iterator(lines, trainer=trainer)
+    tok.train_from_iterator(corpus_lines()[:4000], trainer=trainer)
     spec = json.loads(tok.to_str())
     vocab = spec["model"]["vocab"]
     for b in range(256):

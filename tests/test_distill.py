@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CORPUS
+from conftest import corpus_lines
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
@@ -30,7 +30,7 @@ from specdec.training.distill import (
     train_draft,
 )
 
-PROMPTS_FALLBACK = [
+SHORT_PROMPTS = [
     "ROMEO: But soft, what light through yonder window breaks?",
     "JULIET: O Romeo, Romeo! wherefore art thou Romeo?",
     "Tell me about the king and the queen.",
@@ -41,10 +41,8 @@ QUICK = dict(layers=1, max_steps=60, lr=3e-3, batch_tokens=256, held_out=0.2, ev
 
 
 def _prompts(n: int) -> list[str]:
-    if CORPUS.is_file():
-        lines = [ln for ln in CORPUS.read_text(encoding="utf-8").splitlines() if len(ln) > 20]
-        return lines[::97][:n]
-    return (PROMPTS_FALLBACK * n)[:n]
+    lines = [ln for ln in corpus_lines() if len(ln) > 20]
+    return lines[::97][:n]
 
 
 def _write_prompts(path: Path, prompts: list[str]) -> Path:
@@ -258,7 +256,7 @@ def test_another_hidden_size_starts_from_random_weights(tiny, data_dir: Path, tm
 # -- bad input ---------------------------------------------------------------------------------
 def test_data_from_another_target_is_refused(tiny, tiny_draft_dir: Path, tmp_path: Path):
     other = load_model(tiny_draft_dir)
-    prompts = _write_prompts(tmp_path / "p.jsonl", PROMPTS_FALLBACK)
+    prompts = _write_prompts(tmp_path / "p.jsonl", SHORT_PROMPTS)
     generate_data(other, prompts, tmp_path / "other", max_new_tokens=4)
     with pytest.raises(DataError, match="another target"):
         train_draft(tiny, tmp_path / "other", tmp_path / "out", layers=1)
