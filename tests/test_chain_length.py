@@ -70,6 +70,32 @@ def test_budget_policy_follows_the_chain_length_and_sampling(pair64):
         DraftModelSpeculator(ModelRunner(draft.model), length="sometimes")
 
 
+def test_a_k_that_is_asked_for_caps_a_self_stopping_chain(pair64, tiny_draft_dir):
+    """``-k K`` (``num_draft_tokens``) caps every draft, a self-stopping chain's too; without
+    it the chain keeps its own cap. Checked on the budget offered to the speculator."""
+    target, _ = pair64
+    offered: dict[str, set[int]] = {}
+    for name, k in (("given", 2), ("default", None)):
+        engine = SpeculativeEngine.from_pretrained(
+            target, speculator=f"draft:model={tiny_draft_dir}", num_draft_tokens=k
+        )
+        assert engine.budget_policy(GenerationConfig()).num_draft_tokens == (
+            2 if k else DEFAULT_CHAIN_DEPTH
+        )
+        spec = engine.speculator
+        seen = offered.setdefault(name, set())
+        original = spec.propose
+
+        def propose(context, budget, original=original, seen=seen):
+            seen.add(budget)
+            return original(context, budget)
+
+        spec.propose = propose
+        engine.generate(PROMPTS[0], max_new_tokens=24, ignore_eos=True)
+    assert offered["given"] and max(offered["given"]) <= 2
+    assert max(offered["default"]) > 2
+
+
 @pytest.mark.parametrize("own", [False, True], ids=["random-draft", "own-weights"])
 def test_self_sized_chain_matches_plain_decoding(pair64, own):
     """Exactness: float64 target, so a k-token verification pass and k single-token passes

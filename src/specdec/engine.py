@@ -13,6 +13,7 @@ import torch
 from specdec.batch import generate_batch, generate_batch_ids
 from specdec.config import GenerationConfig
 from specdec.decode import Decoder, RequestState
+from specdec.decode.step import DEFAULT_NUM_DRAFT_TOKENS
 from specdec.events import GenerationResult, ResultBuilder, TokenEvent
 from specdec.grammar import Grammar
 from specdec.request import Prompt
@@ -43,7 +44,7 @@ class SpeculativeEngine(Decoder):
         *,
         gguf: str | PathLike[str] | None = None,
         speculator: str | SpeculatorOptions = "none",
-        num_draft_tokens: int = 5,
+        num_draft_tokens: int | None = None,
         dtype: str = "auto",
         adaptive: bool = True,
         typical_acceptance: bool = False,
@@ -57,7 +58,8 @@ class SpeculativeEngine(Decoder):
         model loads, so a typo fails in milliseconds.
 
         ``num_draft_tokens`` is K, the most tokens drafted per step (a spec's ``k`` overrides
-        it). ``typical_acceptance`` switches sampled requests to Medusa's typical acceptance,
+        it; ``None``: 5 for the adaptive budget, and a self-stopping chain keeps its own cap).
+        ``typical_acceptance`` switches sampled requests to Medusa's typical acceptance,
         which is faster but LOSSY (statistics say so). ``device`` (``cpu``, ``cuda``,
         ``cuda:N``, ``auto``) is where a model loaded here runs; a given ``LoadedModel`` keeps
         its own. ``chat_template`` (a file or the template text) gives a model without one
@@ -80,7 +82,7 @@ class SpeculativeEngine(Decoder):
         }
         target = loaded.backend.verifier(loaded, threads=torch.get_num_threads())
         if isinstance(options, AutoOptions):
-            arms = build_arm_controller(loaded, options, k)
+            arms = build_arm_controller(loaded, options, k or DEFAULT_NUM_DRAFT_TOKENS)
             return cls(target, loaded.tokenizer, arms=arms, **common)
         return cls(target, loaded.tokenizer, build_speculator(loaded, options), **common)
 

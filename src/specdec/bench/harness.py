@@ -33,7 +33,7 @@ class BenchConfig:
 
     max_new_tokens: int = 128
     repeats: int = 1
-    num_draft_tokens: int = 5
+    num_draft_tokens: int | None = None  # None: the engine's default
     warmup_tokens: int = 8  # per method, on the first prompt, before anything is recorded
     chat: bool | None = None  # None: use the chat template when the tokenizer has one
 

@@ -26,6 +26,7 @@ from transformers import PreTrainedModel
 
 from specdec.bench.errors import UnknownMethodError
 from specdec.config import GenerationConfig
+from specdec.decode.step import DEFAULT_NUM_DRAFT_TOKENS
 from specdec.engine import SpeculativeEngine
 from specdec.metrics import RequestStats
 from specdec.speculators.spec import (
@@ -241,7 +242,7 @@ class MethodRunner(Protocol):
 class EngineRunner:
     """Our engine; ``none`` is plain decoding through the same loop."""
 
-    def __init__(self, spec: MethodSpec, loaded: LoadedModel, num_draft_tokens: int) -> None:
+    def __init__(self, spec: MethodSpec, loaded: LoadedModel, num_draft_tokens: int | None) -> None:
         self.spec = spec
         self.engine = SpeculativeEngine.from_pretrained(
             loaded, speculator=spec.options, num_draft_tokens=num_draft_tokens
@@ -272,12 +273,14 @@ def _draft_model(loaded: LoadedModel, draft: str) -> tuple[PreTrainedModel, Any]
 class HFRunner:
     """``model.generate`` greedy, with prompt lookup, or with an assistant model."""
 
-    def __init__(self, spec: MethodSpec, loaded: LoadedModel, num_draft_tokens: int) -> None:
+    def __init__(self, spec: MethodSpec, loaded: LoadedModel, num_draft_tokens: int | None) -> None:
         assert isinstance(spec.options, HFOptions)
         self.spec = spec
         self.model: Any = loaded.model  # generate() is untyped in transformers' stubs
         self.eos = sorted(loaded.eos_token_ids)
-        self.kwargs = spec.options.generate_kwargs(loaded, num_draft_tokens)
+        self.kwargs = spec.options.generate_kwargs(
+            loaded, num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS
+        )
 
     def run(self, prompt_ids: Sequence[int], max_new_tokens: int) -> RunOutput:
         ids = torch.tensor([list(prompt_ids)], dtype=torch.long)  # [1, T]
@@ -306,7 +309,7 @@ class LlamaCppPlainRunner:
     """llama.cpp decoding the target's GGUF file plainly (:func:`llamacpp.plain_greedy`), on
     torch's thread count, as the engine's runs use."""
 
-    def __init__(self, spec: MethodSpec, loaded: LoadedModel, num_draft_tokens: int) -> None:
+    def __init__(self, spec: MethodSpec, loaded: LoadedModel, num_draft_tokens: int | None) -> None:
         source = Path(loaded.source)
         if source.suffix.lower() != ".gguf" or not source.is_file():
             raise UnknownMethodError(
@@ -328,7 +331,7 @@ class LlamaCppPlainRunner:
 
 
 def build_runners(
-    loaded: LoadedModel, specs: Sequence[MethodSpec], num_draft_tokens: int
+    loaded: LoadedModel, specs: Sequence[MethodSpec], num_draft_tokens: int | None
 ) -> list[MethodRunner]:
     """One runner per method, all over ``loaded`` (built before anything is timed)."""
     runners: list[MethodRunner] = []

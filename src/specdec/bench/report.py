@@ -264,8 +264,9 @@ def render_markdown(
     out += [
         f"- Data set: `{meta.get('dataset', '?')}`; prompts per task group: "
         + ", ".join(f"{g} {n}" for g, n in n_prompts.items()),
-        f"- Methods: {', '.join(f'`{m}`' for m in methods)}; K = {meta.get('num_draft_tokens')} "
-        f"draft tokens per step; greedy; max new tokens {meta.get('max_new_tokens')}; "
+        f"- Methods: {', '.join(f'`{m}`' for m in methods)}; "
+        f"{_k_text(meta.get('num_draft_tokens'))}; greedy; "
+        f"max new tokens {meta.get('max_new_tokens')}; "
         f"repeats {meta.get('repeats')}; methods interleaved per prompt after a warm-up",
         f"- Environment: {env.get('cpu')} ({env.get('cpu_count')} CPUs), torch threads "
         f"{env.get('threads')}, torch {env.get('torch')}, transformers {env.get('transformers')}, "
@@ -436,3 +437,10 @@ def write_report(
     path = out_dir / "report.md"
     path.write_text(render_markdown(records, meta, [str(f) for f in files]), encoding="utf-8")
     return path
+
+
+def _k_text(k: object) -> str:
+    """What bounded each step's draft: K when given, else the engine's defaults."""
+    if k is None:
+        return "drafts of up to 5 tokens a step (a self-stopping chain: up to 16)"
+    return f"K = {k} draft tokens per step at most"

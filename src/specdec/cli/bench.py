@@ -150,7 +150,7 @@ def bench(
     gguf: GgufOpt = None,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "cpu",
-    num_draft_tokens: KOpt = 5,
+    num_draft_tokens: KOpt = None,
     threads: Annotated[
         int | None,
         typer.Option(help="CPU threads (default: one per core that is not busy; 1 with --quick)."),
@@ -260,7 +260,7 @@ def _run(
     model: Path | None,
     gguf: Path | None,
     dtype: str,
-    num_draft_tokens: int,
+    num_draft_tokens: int | None,
     threads: int | None,
     quick: bool,
     plots: bool,

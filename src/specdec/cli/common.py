@@ -94,7 +94,15 @@ TypicalOpt = Annotated[
         "follows the target's distribution exactly). Greedy is unaffected.",
     ),
 ]
-KOpt = Annotated[int, typer.Option("--num-draft-tokens", "-k", help="Tokens drafted per step.")]
+KOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--num-draft-tokens",
+        "-k",
+        help="Most tokens drafted per step (default: 5 for the adaptive budget; a "
+        "self-stopping draft chain up to 16).",
+    ),
+]
 DtypeOpt = Annotated[
     str,
     typer.Option(
@@ -282,7 +290,7 @@ def load_engine(
     model: Path | None,
     gguf: Path | None,
     speculator: str,
-    num_draft_tokens: int,
+    num_draft_tokens: int | None,
     dtype: str,
     adaptive: bool = True,
     typical: bool = False,

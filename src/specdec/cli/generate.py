@@ -73,7 +73,7 @@ def generate(
     model: ModelOpt = None,
     gguf: GgufOpt = None,
     speculator: SpeculatorOpt = "prompt-lookup",
-    num_draft_tokens: KOpt = 5,
+    num_draft_tokens: KOpt = None,
     adaptive: AdaptiveOpt = True,
     typical: TypicalOpt = False,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n")] = 128,

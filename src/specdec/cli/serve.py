@@ -40,7 +40,7 @@ def serve(
     model: ModelOpt = None,
     gguf: GgufOpt = None,
     speculator: SpeculatorOpt = "prompt-lookup",
-    num_draft_tokens: KOpt = 5,
+    num_draft_tokens: KOpt = None,
     adaptive: AdaptiveOpt = True,
     typical: TypicalOpt = False,
     dtype: DtypeOpt = "auto",

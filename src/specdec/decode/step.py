@@ -45,6 +45,9 @@ def initial_costs(loaded: LoadedModel | None, speculating: bool) -> CostModel:
     return CostModel.calibrated(calibration.ratios(tree=False), calibration.ratios(tree=True))
 
 
+DEFAULT_NUM_DRAFT_TOKENS = 5  # K when none is given: the adaptive budget's longest draft
+
+
 class Decoder:
     """One target, who drafts for it, and the phases of a speculative step.
 
@@ -61,7 +64,7 @@ class Decoder:
         speculator: Speculator | None = None,
         *,
         arms: ArmController | None = None,
-        num_draft_tokens: int = 5,
+        num_draft_tokens: int | None = None,
         eos_token_ids: Sequence[int] | None = None,
         loaded: LoadedModel | None = None,
         acceptance_rule: AcceptanceRule | None = None,
@@ -71,9 +74,14 @@ class Decoder:
         per second from measured acceptance and verification cost, drafting nothing when that
         does not pay; ``adaptive=False`` always drafts K. ``acceptance_rule`` overrides the
         lossless default (greedy match / rejection sampling, chosen per request); only opt-in
-        lossy rules or tests pass one."""
+        lossy rules or tests pass one. ``num_draft_tokens`` (K) given caps every draft,
+        a self-stopping chain's too; ``None`` is :data:`DEFAULT_NUM_DRAFT_TOKENS` for the
+        adaptive budget and leaves a self-stopping chain its own cap."""
         if speculator is not None and arms is not None:
             raise ConfigError("give the engine one speculator or an arm controller, not both")
+        self.caps_chains = num_draft_tokens is not None  # K was asked for: it caps chains too
+        if num_draft_tokens is None:
+            num_draft_tokens = DEFAULT_NUM_DRAFT_TOKENS
         if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int):
             raise ConfigError(f"num_draft_tokens (K) must be an integer, got {num_draft_tokens!r}")
         if num_draft_tokens < 1:
@@ -249,7 +257,7 @@ class Decoder:
             return FixedBudget(self.num_draft_tokens)
         cap = self.speculator.chain_cap(config.sampling)
         if cap is not None:  # the speculator stops its chain itself, up to cap tokens
-            return FixedBudget(cap)
+            return FixedBudget(min(cap, self.num_draft_tokens) if self.caps_chains else cap)
         # Sampled output depends on the drafts, so its budget must not depend on timing.
         costs = self.cost_model if config.sampling.greedy else self._cost_prior
         return AdaptiveBudget(self.num_draft_tokens, costs)

@@ -51,7 +51,6 @@ osd, auto, none, ...) raise :class:`NoVllmCounterpartError` naming why.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import shlex
 from collections.abc import Callable
@@ -224,12 +223,11 @@ def vllm_dtype(dtype: str) -> tuple[str, str | None]:
 
 
 def engine_default_k() -> int:
-    """The engine's K, which ``k=None`` stands for (read from the engine's signature, so it
-    cannot drift)."""
-    from specdec.engine import SpeculativeEngine
+    """The engine's K, which ``k=None`` stands for (the decoder's own default, so it cannot
+    drift)."""
+    from specdec.decode.step import DEFAULT_NUM_DRAFT_TOKENS
 
-    default = inspect.signature(SpeculativeEngine.__init__).parameters["num_draft_tokens"].default
-    return int(default)
+    return DEFAULT_NUM_DRAFT_TOKENS
 
 
 def export_vllm(
