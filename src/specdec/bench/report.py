@@ -441,6 +441,12 @@ def write_report(
 
 def _k_text(k: object) -> str:
     """What bounded each step's draft: K when given, else the engine's defaults."""
+    from specdec.decode.step import DEFAULT_NUM_DRAFT_TOKENS
+    from specdec.speculators.draft_model import DEFAULT_CHAIN_DEPTH
+
     if k is None:
-        return "drafts of up to 5 tokens a step (a self-stopping chain: up to 16)"
+        return (
+            f"drafts of up to {DEFAULT_NUM_DRAFT_TOKENS} tokens a step (a self-stopping chain: "
+            f"up to {DEFAULT_CHAIN_DEPTH})"
+        )
     return f"K = {k} draft tokens per step at most"

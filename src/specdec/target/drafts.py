@@ -160,6 +160,12 @@ def load_torch_draft(
     return draft
 
 
+def _names_gguf(spec: str) -> bool:
+    """Whether a draft spec names a GGUF file (a ``.gguf`` path or a pack alias that is not a
+    local directory)."""
+    return (is_pack(spec) and not Path(spec).exists()) or spec.lower().endswith(".gguf")
+
+
 def _runs_own_blocks(spec: str) -> bool:
     """Whether a draft ``spec`` is a GGUF file or pack whose own blocks specdec's kernel runs on
     this CPU (``kquant``): then a torch draft (a tree, ``vocab=``) runs them rather than
@@ -167,9 +173,9 @@ def _runs_own_blocks(spec: str) -> bool:
     at one row and at four (experiments/draft-model/2026-12-07-kquant-draft.md)."""
     from specdec.target.loading import choose_dtype
 
-    is_file = spec.lower().endswith(".gguf")
-    if not is_file and not (is_pack(spec) and not Path(spec).exists()):
+    if not _names_gguf(spec):
         return False
+    is_file = spec.lower().endswith(".gguf")
     source = ModelSource(gguf=spec) if is_file else ModelSource(model=spec)
     try:
         return choose_dtype(source)[0] == KQUANT.name
@@ -203,9 +209,8 @@ def llamacpp_by_default(spec: str, target: LoadedModel, *, chain: bool, vocab: i
     decodes faster again with the same acceptance
     (experiments/draft-model/2026-12-05-draft-requant.md). Trees need 4D masks and stay in
     torch; a float64 target is an exactness reference and keeps a float64 draft."""
-    is_gguf = (is_pack(spec) and not Path(spec).exists()) or spec.lower().endswith(".gguf")
     return (
-        is_gguf
+        _names_gguf(spec)
         and chain
         and not vocab
         and target.device.type == "cpu"

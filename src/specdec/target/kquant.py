@@ -200,6 +200,12 @@ def _parts(kind: str, data: np.ndarray, in_features: int) -> dict[str, torch.Ten
     return small_parts(kind, data, n, in_features)
 
 
+def _rows_of(part: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Output channels ``rows`` of one of a layer's per-channel parts (an unused, empty part
+    stays empty)."""
+    return part if part.numel() == 0 else part.index_select(0, rows)
+
+
 class KQuantLinear(nn.Module):
     """A linear layer over one GGUF tensor of a type in :data:`KINDS`, multiplied by the
     small-row kernel. Rows whose width is not a multiple of 256 are padded with zero weights
@@ -287,22 +293,15 @@ class KQuantLinear(nn.Module):
     def exact_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """The exact fp32 weight rows ``rows`` (int64 ``[R]``) as ``[R, K]``: an embedding
         lookup in the file's own numbers, without a dequantised copy of the whole table."""
-
-        def pick(t: torch.Tensor) -> torch.Tensor:
-            return t if t.numel() == 0 else t.index_select(0, rows)
-
-        return self._exact(pick(self.codes), pick(self.meta), pick(self.d), pick(self.dmin))
+        parts = (_rows_of(t, rows) for t in (self.codes, self.meta, self.d, self.dmin))
+        return self._exact(*parts)
 
     def select_rows(self, rows: torch.Tensor) -> KQuantLinear:
         """A layer of just the output channels ``rows`` (int64 ``[R]``), in the same blocks: a
         draft's LM head over its most frequent tokens reads only their rows, and each channel's
         output keeps its bits (channels are independent in the kernel)."""
-
-        def pick(t: torch.Tensor) -> torch.Tensor:
-            return t if t.numel() == 0 else t.index_select(0, rows).contiguous()
-
-        parts = {"codes": pick(self.codes), "meta": pick(self.meta)}
-        parts.update(d=pick(self.d), dmin=pick(self.dmin))
+        names = ("codes", "meta", "d", "dmin")
+        parts = {name: _rows_of(getattr(self, name), rows) for name in names}
         bias = None if self.bias is None else self.bias.index_select(0, rows)
         return type(self)(self.kind, parts, self.in_features, bias)
 
