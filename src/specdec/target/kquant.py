@@ -36,7 +36,14 @@ from torch import nn
 
 from specdec.errors import ConfigError
 from specdec.target import files
-from specdec.target.gguf_blocks import SMALL_BLOCKS, q4k_fields, q5k_fields, small_block_fields
+from specdec.target.gguf_blocks import (
+    Q4_K_BLOCK_BYTES,
+    Q5_K_BLOCK_BYTES,
+    SMALL_BLOCKS,
+    q4k_fields,
+    q5k_fields,
+    small_block_fields,
+)
 
 QK = 256
 Q6_K_BYTES = 210  # 128 B low nibbles, 64 B high bits, 16 int8 scales, fp16 d
@@ -77,41 +84,59 @@ def extension() -> ModuleType:
         ) from error
 
 
-def _to_lanes(codes: np.ndarray) -> np.ndarray:
-    """``[B, 256]`` codes in weight order -> ``[B, 4, 64]`` in the kernel's lane layout:
-    register c, byte 4 l + i holds weight 16 l + 4 c + i (lane l: one 16-weight group)."""
-    return codes.reshape(-1, 16, 4, 4).transpose(0, 2, 1, 3).reshape(-1, 4, 64)
+def _to_lanes(codes: np.ndarray, per_lane: int = 16) -> np.ndarray:
+    """``[B, 16 * per_lane]`` codes in weight order -> ``[B, per_lane / 4, 64]`` in the
+    kernel's lane layout: register c, byte 4 l + i holds weight ``per_lane * l + 4 c + i``
+    (lane l: one group of ``per_lane`` weights with one scale: 16 for Q6_K's blocks, 32 for a
+    pair of blocks of the kinds scaled per 32)."""
+    regs = per_lane // 4
+    return codes.reshape(-1, 16, regs, 4).transpose(0, 2, 1, 3).reshape(-1, regs, 64)
 
 
-def _pack_nibbles(codes: np.ndarray) -> np.ndarray:
-    """``[B, 256]`` 4-bit codes as the kernel reads them: registers 0 and 1 share the low and
-    high nibbles of the first 64 bytes, registers 2 and 3 those of the next 64."""
-    lanes = _to_lanes(codes)
-    return (lanes[:, 0::2] | (lanes[:, 1::2] << 4)).astype(np.uint8).reshape(-1, 128)
+def _pack_nibbles(codes: np.ndarray, per_lane: int = 16) -> np.ndarray:
+    """4-bit codes (see :func:`_to_lanes`) as the kernel reads them: registers 2 j and
+    2 j + 1 share the low and high nibbles of bytes 64 j .. 64 j + 63."""
+    lanes = _to_lanes(codes, per_lane)
+    return (lanes[:, 0::2] | (lanes[:, 1::2] << 4)).astype(np.uint8).reshape(len(lanes), -1)
+
+
+def _pack_six(codes: np.ndarray, per_lane: int = 16) -> np.ndarray:
+    """Codes of up to 6 bits as the kernel reads them: the low nibbles packed as for 4 bits,
+    then the 2-bit high parts, 64 bytes per 4 registers, register 4 h + c's in bits 2c and
+    2c + 1 of the h-th 64 bytes."""
+    nibbles = _pack_nibbles(codes & 15, per_lane)
+    high = _to_lanes(codes >> 4, per_lane).reshape(len(nibbles), -1, 4, 64)
+    high = high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)
+    return np.concatenate([nibbles, high.astype(np.uint8).reshape(len(nibbles), -1)], 1)
+
+
+def _even_blocks(blocks: np.ndarray, n: int, size: int) -> np.ndarray:
+    """``[N, nb * size]`` block bytes with a zero block (scales 0: a zero weight) appended to
+    each row where ``nb`` is odd: the kernel takes the kinds scaled per 32 two blocks at a
+    time."""
+    rows = np.ascontiguousarray(blocks).reshape(n, -1)
+    if (rows.shape[1] // size) % 2:
+        rows = np.concatenate([rows, np.zeros((n, size), np.uint8)], 1)
+    return rows
+
+
+def _paired_meta(first: np.ndarray, second: np.ndarray, n: int) -> np.ndarray:
+    """Two per-block fields ``[N * nb, w]`` (scales and mins) as the kernel reads a pair of
+    blocks: both blocks' ``first``, then both blocks' ``second``; ``[N, nb * 2 * w]``."""
+    pairs = (n, -1, 2 * first.shape[1])
+    return np.concatenate([first.reshape(pairs), second.reshape(pairs)], 2).reshape(n, -1)
 
 
 def q4k_parts(blocks: np.ndarray, n: int) -> dict[str, torch.Tensor]:
     """A Q4_K tensor's bytes ``[N, K/256 * 144]`` as the kernel's arrays: nibbles repacked
-    into the kernel's lane layout, integer scales and mins one byte each, fp16 d/dmin."""
-    d, dmin, sc, m, codes = q4k_fields(blocks)
-    packed = _pack_nibbles(codes)
-    nb = len(d) // n
-    meta = np.concatenate([sc, m], 1).astype(np.uint8)
+    into the paired lane layout, integer scales and mins one byte each, fp16 d/dmin."""
+    d, dmin, sc, m, codes = q4k_fields(_even_blocks(blocks, n, Q4_K_BLOCK_BYTES))
     return {
-        "codes": torch.from_numpy(packed.reshape(n, nb * 128).copy()),
-        "meta": torch.from_numpy(meta.reshape(n, nb * 16).copy()),
-        "d": torch.from_numpy(d.reshape(n, nb).copy()),
-        "dmin": torch.from_numpy(dmin.reshape(n, nb).copy()),
+        "codes": torch.from_numpy(_pack_nibbles(codes.reshape(-1, 2 * QK), 32).reshape(n, -1)),
+        "meta": torch.from_numpy(_paired_meta(sc, m, n).astype(np.uint8)),
+        "d": torch.from_numpy(d.reshape(n, -1).copy()),
+        "dmin": torch.from_numpy(dmin.reshape(n, -1).copy()),
     }
-
-
-def _pack_six(codes: np.ndarray) -> np.ndarray:
-    """``[B, 256]`` codes of up to 6 bits as the kernel reads them: the low nibbles packed as
-    for Q4_K, then the 2-bit high parts, register c's in bits 2c and 2c + 1 of each byte."""
-    nibbles = _pack_nibbles(codes & 15)
-    high = _to_lanes(codes >> 4)
-    high = (high[:, 0] | (high[:, 1] << 2) | (high[:, 2] << 4) | (high[:, 3] << 6)).astype(np.uint8)
-    return np.concatenate([nibbles, high], 1)  # [B, 192]
 
 
 def q6k_parts(blocks: np.ndarray, n: int) -> dict[str, torch.Tensor]:
@@ -138,45 +163,43 @@ def q6k_parts(blocks: np.ndarray, n: int) -> dict[str, torch.Tensor]:
 
 
 def q5k_parts(blocks: np.ndarray, n: int) -> dict[str, torch.Tensor]:
-    """A Q5_K tensor's bytes ``[N, K/256 * 176]``: 5-bit codes in the 6-bit layout, scales,
-    mins and d/dmin as for Q4_K. ``w = d * sc * q - dmin * m``."""
-    d, dmin, sc, m, codes = q5k_fields(blocks)
-    nb = len(d) // n
-    meta = np.concatenate([sc, m], 1).astype(np.uint8)
+    """A Q5_K tensor's bytes ``[N, K/256 * 176]``: 5-bit codes in the paired 6-bit layout,
+    scales, mins and d/dmin as for Q4_K. ``w = d * sc * q - dmin * m``."""
+    d, dmin, sc, m, codes = q5k_fields(_even_blocks(blocks, n, Q5_K_BLOCK_BYTES))
     return {
-        "codes": torch.from_numpy(_pack_six(codes).reshape(n, nb * 192).copy()),
-        "meta": torch.from_numpy(meta.reshape(n, nb * 16).copy()),
-        "d": torch.from_numpy(d.reshape(n, nb).copy()),
-        "dmin": torch.from_numpy(dmin.reshape(n, nb).copy()),
+        "codes": torch.from_numpy(_pack_six(codes.reshape(-1, 2 * QK), 32).reshape(n, -1)),
+        "meta": torch.from_numpy(_paired_meta(sc, m, n).astype(np.uint8)),
+        "d": torch.from_numpy(d.reshape(n, -1).copy()),
+        "dmin": torch.from_numpy(dmin.reshape(n, -1).copy()),
     }
 
 
 def small_parts(kind: str, blocks: np.ndarray, n: int, k: int) -> dict[str, torch.Tensor]:
     """A tensor of 32-weight blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), ``[N, K/32 * bytes]``, as
     the kernel's lane-scaled super-blocks: each row padded with zero blocks (d = m = 0) to a
-    multiple of 256 weights, its codes in the lane layout (4-bit, 6-bit or 8-bit), and per
-    256 weights 8 fp16 d then 8 fp16 m, ``w = d * code + m`` (exact: the file's own values)."""
+    multiple of 512 weights, its codes in the paired lane layout (4-bit, 6-bit or 8-bit), and
+    per 512 weights 16 fp16 d then 16 fp16 m, ``w = d * code + m`` (exact: the file's own
+    values)."""
     codes, d, m = small_block_fields(blocks, kind)
     per_row = k // 32
-    padded = -(-k // QK) * (QK // 32)  # 32-blocks per padded row
+    padded = -(-k // (2 * QK)) * (2 * QK // 32)  # 32-blocks per padded row: whole pairs
     c = np.zeros((n, padded, 32), np.uint8)
     c[:, :per_row] = codes.reshape(n, per_row, 32)
     dd = np.zeros((n, padded), np.float16)
     mm = np.zeros((n, padded), np.float16)
     dd[:, :per_row], mm[:, :per_row] = d.reshape(n, per_row), m.reshape(n, per_row)
-    flat = c.reshape(-1, QK)
+    flat = c.reshape(-1, 2 * QK)
     bits = SMALL_BLOCKS[kind][2]
     if bits == 4:
-        packed = _pack_nibbles(flat)
+        packed = _pack_nibbles(flat, 32)
     elif bits == 5:
-        packed = _pack_six(flat)
+        packed = _pack_six(flat, 32)
     else:
-        packed = _to_lanes(flat).reshape(-1, QK).astype(np.uint8)
-    nb = padded * 32 // QK
-    meta = np.concatenate([dd.reshape(-1, 8).view(np.uint8), mm.reshape(-1, 8).view(np.uint8)], 1)
+        packed = _to_lanes(flat, 32).reshape(len(flat), -1).astype(np.uint8)
+    meta = _paired_meta(dd.reshape(-1, 8), mm.reshape(-1, 8), n).view(np.uint8)
     return {
         "codes": torch.from_numpy(np.ascontiguousarray(packed).reshape(n, -1).copy()),
-        "meta": torch.from_numpy(meta.reshape(n, nb * 32).copy()),
+        "meta": torch.from_numpy(meta.copy()),
         "d": torch.zeros(0, dtype=torch.float16),
         "dmin": torch.zeros(0, dtype=torch.float16),
     }
@@ -186,6 +209,7 @@ def small_parts(kind: str, blocks: np.ndarray, n: int, k: int) -> dict[str, torc
 KIND_IDS = {"Q4_K": 0, "Q6_K": 1, "Q5_K": 2, "Q4_0": 3, "Q4_1": 3, "Q5_0": 4, "Q5_1": 4, "Q8_0": 5}
 KINDS = tuple(KIND_IDS)  # what the kernel multiplies
 _LANE_SCALED = 3  # kinds from here on carry a scale and offset per 32 weights
+_Q6_K = 1  # the one kind scaled per 16 weights; the kernel takes every other two blocks at once
 _CODE_STRIDE = {0: 128, 1: 192, 2: 192, 3: 128, 4: 192, 5: 256}
 
 
@@ -208,8 +232,9 @@ def _rows_of(part: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 class KQuantLinear(nn.Module):
     """A linear layer over one GGUF tensor of a type in :data:`KINDS`, multiplied by the
-    small-row kernel. Rows whose width is not a multiple of 256 are padded with zero weights
-    (and the input with zeros) to the next one."""
+    small-row kernel. Rows are padded with zero weights (and the input with zeros) to a whole
+    number of the kernel's units: 512 weights for the kinds scaled per 32, which it takes two
+    blocks at a time, 256 for Q6_K."""
 
     def __init__(
         self, kind: str, parts: dict[str, torch.Tensor], in_features: int, bias: torch.Tensor | None
@@ -220,9 +245,11 @@ class KQuantLinear(nn.Module):
         self.kind = kind
         self.kind_id = KIND_IDS[kind]
         self.in_features = in_features
-        self.padded_in = -(-in_features // QK) * QK
-        if self.kind_id < _LANE_SCALED and self.padded_in != in_features:
+        if self.kind_id < _LANE_SCALED and in_features % QK:
             raise ConfigError(f"in_features {in_features} is not a multiple of {QK}")
+        self.paired = self.kind_id != _Q6_K
+        unit = 2 * QK if self.paired else QK  # the weights the kernel takes at a time
+        self.padded_in = -(-in_features // unit) * unit
         self.out_features = parts["codes"].shape[0]
         self.codes, self.meta = parts["codes"], parts["meta"]
         self.d, self.dmin = parts["d"], parts["dmin"]
@@ -273,18 +300,26 @@ class KQuantLinear(nn.Module):
         raw2d = self.codes if codes is None else codes
         n, nb = raw2d.shape[0], self.padded_in // QK
         stride = _CODE_STRIDE[self.kind_id]
-        raw = raw2d.view(n, nb, stride)
+        regs, units = (8, nb // 2) if self.paired else (4, nb)  # registers of 64 codes a unit
+        raw = raw2d.view(n, units, stride * regs // 4)
         if stride == 256:
-            lanes = raw.view(n, nb, 4, 64).to(torch.int16)
+            lanes = raw.view(n, units, regs, 64).to(torch.int16)
         else:
-            packed = raw[..., :128].reshape(n, nb, 2, 1, 64)
-            lanes = torch.cat([packed & 15, packed >> 4], 3).reshape(n, nb, 4, 64).to(torch.int16)
+            packed = raw[..., : regs * 32].reshape(n, units, regs // 2, 1, 64)
+            lanes = torch.cat([packed & 15, packed >> 4], 3).reshape(n, units, regs, 64)
+            lanes = lanes.to(torch.int16)
         if stride == 192:
-            high = raw[..., 128:].reshape(n, nb, 1, 64)
-            parts = torch.cat([(high >> (2 * c)) & 3 for c in range(4)], 2)  # [n, nb, 4, 64]
-            lanes = lanes | (parts.to(torch.int16) << 4)
-        # register c, byte 4 l + i -> weight 16 l + 4 c + i
-        return lanes.view(n, nb, 4, 16, 4).permute(0, 1, 3, 2, 4).reshape(n, nb, 256)
+            high = raw[..., regs * 32 :].reshape(n, units, regs // 4, 1, 64)
+            parts = torch.cat([(high >> (2 * c)) & 3 for c in range(4)], 3)
+            lanes = lanes | (parts.reshape(n, units, regs, 64).to(torch.int16) << 4)
+        # register c, byte 4 l + i -> weight (4 regs) l + 4 c + i of the unit
+        return lanes.view(n, units, regs, 16, 4).permute(0, 1, 3, 2, 4).reshape(n, nb, 256)
+
+    def _unpaired(self, meta: torch.Tensor, n: int, nb: int) -> torch.Tensor:
+        """A paired kind's meta ``[N, nb * w]`` bytes per block again: ``[N, nb, w]`` with
+        each block's first field then its second (undoing :func:`_paired_meta`)."""
+        width = meta.shape[1] // nb // 2  # bytes of one field of one block
+        return meta.view(n, nb // 2, 2, 2, width).transpose(2, 3).reshape(n, nb, 2 * width)
 
     def exact_weight(self) -> torch.Tensor:
         """The exact fp32 weight ``[N, K]`` (what the file's own dequantisation gives)."""
@@ -312,7 +347,7 @@ class KQuantLinear(nn.Module):
         if n == 0:  # no rows asked for (a pass of no new tokens)
             return torch.zeros(0, self.in_features)
         if self.kind_id >= _LANE_SCALED:
-            scales = meta.view(torch.float16).view(n, nb, 2, 8).float()
+            scales = self._unpaired(meta, n, nb).view(torch.float16).view(n, nb, 2, 8).float()
             q = self._codes(codes).view(n, nb, 8, 32).float()
             w = scales[:, :, 0, :, None] * q + scales[:, :, 1, :, None]
             return w.reshape(n, -1)[:, : self.in_features].contiguous()
@@ -322,10 +357,10 @@ class KQuantLinear(nn.Module):
             sc = meta.view(torch.int8).view(n, nb, 16, 1).float()
             return (d * sc * q).view(n, -1)
         q = self._codes(codes).view(n, nb, 8, 32).float()
-        meta4 = meta.view(n, nb, 16).float()
+        meta4 = self._unpaired(meta, n, nb).float()
         sc, m = meta4[..., :8].unsqueeze(-1), meta4[..., 8:].unsqueeze(-1)
         dmin = dmin_.float().view(n, nb, 1, 1)
-        return (d * sc * q - dmin * m).view(n, -1)
+        return (d * sc * q - dmin * m).view(n, -1)[:, : self.in_features].contiguous()
 
     @classmethod
     def from_attached(cls, linear: nn.Linear) -> KQuantLinear:

@@ -6,25 +6,31 @@
 // super-block is unpacked once and multiplied with every row of the pass (up to 8 at a time)
 // using integer dot products, so k rows cost little more than reading the weight once.
 //
-// Layout: within a 256-block, lane l (0..15) of a 512-bit register holds the 16 weights
-// 16 l .. 16 l + 15 (one Q6_K sub-block, half a Q4_K one), four per register c (0..3):
-// register c, byte 4 l + i is weight 16 l + 4 c + i, for the codes and for the activations
-// alike. Four VNNI dot products then leave each lane with one 16-weight group's exact sum, which
-// one integer multiply scales by its sub-block scale: 5 multiply instructions per row and
-// block, where unpacking to pair sums and scaling them took 8.
-//
+// Layouts. Two, by how finely a file's weights are scaled:
+// - per 32 weights (Q4_K, Q5_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): two consecutive super-blocks
+//   (512 weights) go together, lane l (0..15) of a 512-bit register holding the 32 weights
+//   32 l .. 32 l + 31, one sub-block with one scale, four per register c (0..7): register c,
+//   byte 4 l + i is weight 32 l + 4 c + i, for the codes and the activations alike. Eight VNNI
+//   dot products leave each lane its sub-block's exact sum, and one float part (convert, scale,
+//   two multiply-adds) serves both super-blocks: per row and block 4 dot products and half a
+//   float part, where 16-weight lanes paid a whole one (once a pass is bound by arithmetic,
+//   the float part shares the dot products' pipes). Rows of an odd number of super-blocks get
+//   a zero one.
+// - per 16 weights (Q6_K): one super-block, lane l holding the 16 weights 16 l .. 16 l + 15,
+//   register c (0..3), byte 4 l + i is weight 16 l + 4 c + i; four dot products leave each lane
+//   one scale's exact sum.
 // Paths: AVX-512 VNNI (above); AVX2 (the same lanes in two 256-bit halves, maddubs + madd for
 // the dot products: the same bits, tested); a portable loop with the same integer arithmetic.
 //
 // Numerics (the same for every row count, so speculation stays lossless):
 // - activations: per row, per 32 inputs, rounded to int8 with scale amax / 127 (llama.cpp's
 //   Q8_0 rule; per 256 inputs, its Q8_K rule, lost 0.04 nats a token on the bundled 135M
-//   model), plus the sums per 16 inputs for the affine "min" term;
+//   model), plus the sums per lane (32 or 16 inputs) for the affine "min" term;
 // - weights: the file's codes and 6-bit sub-block scales as integers, exactly; d and dmin as
 //   fp32 (exact: they are fp16 in the file);
-// - per super-block, the integer dot products are exact (int32); each row accumulates
-//   d * da * isum and dmin * da * msum into its own float lanes in block order, whatever the
-//   number of rows in the call, and reduces them in a fixed order at the end.
+// - per lane, the integer dot products are exact (int32); each row accumulates
+//   d * sc * da * isum and dmin * m * da * asum into its own float lanes in block order,
+//   whatever the number of rows in the call, and reduces them in a fixed order at the end.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -89,7 +95,7 @@ KQ_TARGET void quantize_block_avx512(const float* xb, int8_t* qb, float* d, int1
   *d = 1.f / iscale;
 }
 
-// Natural order -> lane layout (register c, byte 4 l + i <- weight 16 l + 4 c + i).
+// Natural order -> Q6_K's lane layout (register c, byte 4 l + i <- weight 16 l + 4 c + i).
 inline void to_lanes(const int8_t* natural, int8_t* lanes) {
   for (int l = 0; l < 16; ++l)
     for (int c = 0; c < 4; ++c) std::memcpy(lanes + 64 * c + 4 * l, natural + 16 * l + 4 * c, 4);
@@ -102,10 +108,10 @@ void quantize_block_avx2(const float* xb, int8_t* qb, float* d, int16_t* sb);
 // The kernels, fastest first; each machine uses the best it has, unless a test asks.
 enum Path : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 
-// Per row: the codes in the lane layout, each 16-input group's activation scale ``d`` (its
-// 32-input block's, stored twice so the kernel loads one lane's worth with one instruction) and
-// ``u`` = d * (sum of its 16 codes), the factor of the "min" term, so the kernel pays one
-// multiply-add per row and block for it.
+// The activations of the Q6_K kernels, per row: the codes in the lane layout, each 16-input
+// group's activation scale ``d`` (its 32-input block's, stored twice so the kernel loads one
+// lane's worth with one instruction) and ``u`` = d * (sum of its 16 codes), the factor of the
+// "min" term, so the kernel pays one multiply-add per row and block for it.
 // ``x`` rows are ``k_in`` wide; inputs from ``k_in`` up to the padded width ``k`` (a multiple of
 // 256) are zeros, as the zero weight blocks they meet.
 void quantize_rows(const float* x, int64_t rows, int64_t k_in, int64_t k, int8_t* q, float* d,
@@ -138,8 +144,47 @@ void quantize_rows(const float* x, int64_t rows, int64_t k_in, int64_t k, int8_t
     }
 }
 
+// Natural order -> the paired layout (register c of 8, byte 4 l + i <- weight 32 l + 4 c + i).
+inline void to_pair_lanes(const int8_t* natural, int8_t* lanes) {
+  for (int l = 0; l < 16; ++l)
+    for (int c = 0; c < 8; ++c) std::memcpy(lanes + 64 * c + 4 * l, natural + 32 * l + 4 * c, 4);
+}
+
+// The activations of the paired kernels: per row and 512 inputs the codes in the paired
+// layout, and per 32 inputs (one lane) the scale ``d`` and ``u`` = d * (sum of its codes).
+// The codes and scales are those of ``quantize_rows`` (the same rounding); only their order and
+// the width of the sums differ.
+void quantize_rows_paired(const float* x, int64_t rows, int64_t k_in, int64_t k, int8_t* q,
+                          float* d, float* u, int path) {
+  constexpr int QP = 2 * QK;
+  const int64_t np = k / QP;
+  alignas(64) int8_t natural[QP];
+  alignas(64) float tail[QP];
+  int16_t sb[QA / 16];
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t p = 0; p < np; ++p) {
+      const int64_t g = r * (k / QA) + p * (QP / QA);
+      const float* xb = x + r * k_in + p * QP;
+      if ((p + 1) * QP > k_in) {  // the last, partly padded pair
+        const int64_t have = std::max<int64_t>(0, k_in - p * QP);
+        std::fill(tail, tail + QP, 0.f);
+        std::memcpy(tail, xb, sizeof(float) * have);
+        xb = tail;
+      }
+      for (int j = 0; j < QP / QA; ++j) {
+        float dj = 0.f;
+        if (path == kAvx512) quantize_block_avx512(xb + j * QA, natural + j * QA, &dj, sb);
+        else if (path == kAvx2) quantize_block_avx2(xb + j * QA, natural + j * QA, &dj, sb);
+        else quantize_block_scalar(xb + j * QA, natural + j * QA, &dj, sb);
+        d[g + j] = dj;
+        u[g + j] = dj * static_cast<float>(sb[0] + sb[1]);
+      }
+      to_pair_lanes(natural, q + r * k + p * QP);
+    }
+}
+
 // Weight formats. Q4_K, Q6_K and Q5_K are the file's super-blocks (codes repacked into the lane
-// layout, scales as integers); the "lane-scaled" kinds carry one fp16 scale d and one fp16
+// layouts, scales as integers); the "lane-scaled" kinds carry one fp16 scale d and one fp16
 // offset m per 32 weights, w = d * code + m, which holds the 32-weight GGUF blocks exactly
 // (Q4_0: code q, m = -8 d; Q4_1: q and its m; Q5_0/Q5_1 likewise with 5-bit codes; Q8_0: q + 128,
 // m = -128 d; the offsets are powers of two times d, so exact in fp16).
@@ -156,11 +201,19 @@ constexpr bool high_bits(int K) { return K == kQ6K || K == kQ5K || K == kL5; }
 constexpr int64_t code_stride(int K) { return K == kL8 ? 256 : high_bits(K) ? 192 : 128; }
 constexpr int64_t meta_stride(int K) { return K >= kL4 ? 32 : 16; }
 constexpr bool lane_scaled(int K) { return K >= kL4; }
+constexpr bool paired(int K) { return K != kQ6K; }  // scaled per 32: the paired layout
 
 struct Weights {
-  // 4-bit: [N, nb, 128]: registers 0, 1 are the low and high nibbles of bytes 0-63, 2, 3 those
-  // of bytes 64-127. 6-bit layout: the same 128 nibble bytes, then 64 bytes whose bits 2c,
-  // 2c + 1 hold register c's high 2 bits. 8-bit: [N, nb, 256], register c at byte 64 c.
+  // Per output channel, its blocks in order, ``code_stride`` bytes each; a paired kind's two
+  // blocks of a pair are one unit of twice that. Q6_K, [N, nb, 192]: 128 bytes of nibbles
+  // (registers 0, 1 the low and high nibbles of bytes 0-63, 2, 3 those of bytes 64-127), then
+  // 64 bytes whose bits 2c, 2c + 1 hold register c's high 2 bits. Paired 4-bit, [N, nb / 2,
+  // 256]: registers 2 j, 2 j + 1 the low and high nibbles of bytes 64 j .. 64 j + 63; 5-bit:
+  // those 256 bytes, then 128 whose first 64 hold registers 0-3's high bits (bits 2c, 2c + 1)
+  // and the next 64 registers 4-7's; 8-bit: register c at byte 64 c.
+  // Meta, ``meta_stride`` bytes a block: Q6_K its 16 int8 scales; a pair of Q4_K/Q5_K blocks
+  // sc[16] then m[16] (both blocks' 8 each); a pair of lane-scaled blocks d[16] then m[16]
+  // (fp16).
   const uint8_t* codes;
   const uint8_t* meta;   // [N, nb, meta_stride]
   const uint16_t* d;     // [N, nb] fp16, as in the file (K-quants)
@@ -170,9 +223,9 @@ struct Weights {
 
 struct Acts {
   const int8_t* q;
-  const float* d;  // per 16 inputs (each 32-input block's scale twice)
-  const int16_t* bs;
-  const float* u;  // da * bs
+  const float* d;  // per lane: 16 inputs (each 32-input block's scale twice) or 32 (paired)
+  const int16_t* bs;  // per 16 inputs (the Q6_K kernels)
+  const float* u;  // d * the lane's sum of codes
   int64_t k;
 };
 
@@ -198,51 +251,84 @@ inline float half_to_float(uint16_t h) {
   return f;
 }
 
-// One code of a block in the lane layout: register c, byte j (= 4 l + i).
+// One code of a Q6_K block in its lane layout: register c (0..3), byte j (= 4 l + i).
+inline int q6_code_at(const uint8_t* codes, int c, int j) {
+  const uint8_t byte = codes[(c / 2) * 64 + j];
+  const int code = (c % 2) ? (byte >> 4) : (byte & 15);
+  return code | (((codes[128 + j] >> (2 * c)) & 3) << 4);
+}
+
+// One code of a pair of blocks in the paired layout: register c (0..7), byte j (= 4 l + i).
 template <int K>
-inline int code_at(const uint8_t* codes, int c, int j) {
+inline int pair_code_at(const uint8_t* codes, int c, int j) {
   if (K == kL8) return codes[64 * c + j];
   const uint8_t byte = codes[(c / 2) * 64 + j];
   int code = (c % 2) ? (byte >> 4) : (byte & 15);
-  if (high_bits(K)) code |= ((codes[128 + j] >> (2 * c)) & 3) << 4;
+  if (high_bits(K)) code |= ((codes[256 + 64 * (c / 4) + j] >> (2 * (c % 4))) & 3) << 4;
   return code;
 }
 
-// Portable reference with the same integer arithmetic, for CPUs without AVX2 (slow; its
+// Portable references with the same integer arithmetic, for CPUs without AVX2 (slow; their
 // float accumulation order differs from the SIMD paths, so one machine always uses one path).
-template <int K>
-void rows_scalar(const Weights& w, const Acts& a, int64_t rows, int64_t n0, int64_t n1, float* y,
-                 int64_t n_out) {
+void q6_scalar(const Weights& w, const Acts& a, int64_t rows, int64_t n0, int64_t n1, float* y,
+               int64_t n_out) {
   const int64_t nb = w.nb;
   for (int64_t n = n0; n < n1; ++n) {
     for (int64_t r = 0; r < rows; ++r) {
       float sum = 0.f, msum = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
         const int64_t blk = n * nb + b;
-        const uint8_t* meta = w.meta + blk * meta_stride(K);
+        const uint8_t* meta = w.meta + blk * meta_stride(kQ6K);
+        const uint8_t* codes = w.codes + blk * code_stride(kQ6K);
         const int8_t* qa = a.q + r * a.k + b * QK;
         const int16_t* bs = a.bs + r * (a.k / 16) + b * 16;
-        const uint8_t* codes = w.codes + blk * code_stride(K);
         const float* da = a.d + r * (a.k / 16) + b * 16;  // per 16 inputs
-        const float dw = lane_scaled(K) ? 0.f : half_to_float(w.d[blk]);
-        const float dm = K == kQ6K ? dw : lane_scaled(K) ? 0.f : half_to_float(w.dmin[blk]);
+        const float dw = half_to_float(w.d[blk]);
         for (int l = 0; l < 16; ++l) {
           int32_t dot = 0;
           for (int c = 0; c < 4; ++c)
-            for (int i = 0; i < 4; ++i) dot += code_at<K>(codes, c, 4 * l + i) * qa[64 * c + 4 * l + i];
-          if (lane_scaled(K)) {
-            const uint16_t* h = reinterpret_cast<const uint16_t*>(meta);
-            sum += static_cast<float>(dot) * (half_to_float(h[l / 2]) * da[l]);
-            msum -= static_cast<float>(bs[l]) * (half_to_float(h[8 + l / 2]) * da[l]);
-            continue;
-          }
-          const int sc = K == kQ6K ? static_cast<int8_t>(meta[l]) : meta[l / 2];
-          const int m = K == kQ6K ? 32 * static_cast<int8_t>(meta[l]) : meta[8 + l / 2];
+            for (int i = 0; i < 4; ++i) dot += q6_code_at(codes, c, 4 * l + i) * qa[64 * c + 4 * l + i];
+          const int sc = static_cast<int8_t>(meta[l]);
           sum += static_cast<float>(sc * dot) * (dw * da[l]);
-          msum += static_cast<float>(m * bs[l]) * (dm * da[l]);
+          msum += static_cast<float>(32 * sc * bs[l]) * (dw * da[l]);
         }
       }
       y[r * n_out + n] = sum - msum;
+    }
+  }
+}
+
+template <int K>
+void pairs_scalar(const Weights& w, const Acts& a, int64_t rows, int64_t n0, int64_t n1, float* y,
+                  int64_t n_out) {
+  const int64_t nb = w.nb, ka = a.k / QA;
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t r = 0; r < rows; ++r) {
+      float sum = 0.f;
+      for (int64_t b = 0; b < nb; b += 2) {
+        const int64_t blk = n * nb + b;
+        const uint8_t* codes = w.codes + blk * code_stride(K);
+        const uint8_t* meta = w.meta + blk * meta_stride(K);
+        const int8_t* qa = a.q + r * a.k + b * QK;
+        const float* da = a.d + r * ka + b * 8;  // per 32 inputs
+        const float* u = a.u + r * ka + b * 8;
+        for (int l = 0; l < 16; ++l) {
+          int32_t dot = 0;
+          for (int c = 0; c < 8; ++c)
+            for (int i = 0; i < 4; ++i) dot += pair_code_at<K>(codes, c, 4 * l + i) * qa[64 * c + 4 * l + i];
+          float dsc, vmin;
+          if (lane_scaled(K)) {
+            const uint16_t* h = reinterpret_cast<const uint16_t*>(meta);
+            dsc = half_to_float(h[l]);
+            vmin = half_to_float(h[16 + l]);
+          } else {
+            dsc = static_cast<float>(meta[l]) * half_to_float(w.d[blk + l / 8]);
+            vmin = static_cast<float>(meta[16 + l]) * -half_to_float(w.dmin[blk + l / 8]);
+          }
+          sum += static_cast<float>(dot) * dsc * da[l] + u[l] * vmin;
+        }
+      }
+      y[r * n_out + n] = sum;
     }
   }
 }
@@ -251,74 +337,44 @@ KQ_TARGET inline float hsum512(__m512 v) { return _mm512_reduce_add_ps(v); }
 
 // The hardware prefetcher alone left the 1-2 row passes short of memory speed: fetch the codes
 // a few blocks ahead (the blocks of one output channel are contiguous).
-template <int K>
-inline void prefetch_ahead(const Weights& w, int64_t blk) {
-  const char* ahead = reinterpret_cast<const char*>(w.codes + (blk + PF_BLOCKS) * code_stride(K));
-  for (int64_t off = 0; off < code_stride(K); off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+inline void prefetch(const uint8_t* codes, int64_t at, int64_t bytes) {
+  const char* ahead = reinterpret_cast<const char*>(codes + at);
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
 }
 
-// R rows (1..8) against output channels [n0, n1): every super-block is unpacked once.
-template <int R, int K>
-KQ_TARGET void rows_avx512(const Weights& w, const Acts& a, int64_t n0, int64_t n1, float* y,
-                           int64_t n_out) {
+// R rows (1..8) against output channels [n0, n1) of Q6_K blocks: every block is unpacked once.
+template <int R>
+KQ_TARGET void q6_avx512(const Weights& w, const Acts& a, int64_t n0, int64_t n1, float* y,
+                         int64_t n_out) {
+  constexpr int64_t stride = code_stride(kQ6K);
   const int64_t nb = w.nb;
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  const __m512i idx_sc = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-  const __m512i idx_m = _mm512_add_epi32(idx_sc, _mm512_set1_epi32(8));
-
+  const __m512i low4 = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(0x30);
   for (int64_t n = n0; n < n1; ++n) {
     __m512 facc[R];
     for (int r = 0; r < R; ++r) facc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t blk = n * nb + b;
-      prefetch_ahead<K>(w, blk);
-      const uint8_t* p = w.codes + blk * code_stride(K);
-      __m512i c0, c1, c2, c3;
-      if (K == kL8) {
-        c0 = _mm512_loadu_si512(p);
-        c1 = _mm512_loadu_si512(p + 64);
-        c2 = _mm512_loadu_si512(p + 128);
-        c3 = _mm512_loadu_si512(p + 192);
-      } else {
-        const __m512i v0 = _mm512_loadu_si512(p);
-        const __m512i v1 = _mm512_loadu_si512(p + 64);
-        c0 = _mm512_and_si512(v0, low4);
-        c1 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low4);
-        c2 = _mm512_and_si512(v1, low4);
-        c3 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low4);
-      }
-      if (high_bits(K)) {
-        const __m512i hb = _mm512_loadu_si512(p + 128);
-        const __m512i two = _mm512_set1_epi8(0x30);
-        c0 = _mm512_or_si512(c0, _mm512_and_si512(_mm512_slli_epi16(hb, 4), two));
-        c1 = _mm512_or_si512(c1, _mm512_and_si512(_mm512_slli_epi16(hb, 2), two));
-        c2 = _mm512_or_si512(c2, _mm512_and_si512(hb, two));
-        c3 = _mm512_or_si512(c3, _mm512_and_si512(_mm512_srli_epi16(hb, 2), two));
-      }
+      prefetch(w.codes, (blk + PF_BLOCKS) * stride, stride);
+      const uint8_t* p = w.codes + blk * stride;
+      const __m512i v0 = _mm512_loadu_si512(p);
+      const __m512i v1 = _mm512_loadu_si512(p + 64);
+      const __m512i hb = _mm512_loadu_si512(p + 128);
+      const __m512i c0 = _mm512_or_si512(_mm512_and_si512(v0, low4),
+                                         _mm512_and_si512(_mm512_slli_epi16(hb, 4), two));
+      const __m512i c1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v0, 4), low4),
+                                         _mm512_and_si512(_mm512_slli_epi16(hb, 2), two));
+      const __m512i c2 = _mm512_or_si512(_mm512_and_si512(v1, low4), _mm512_and_si512(hb, two));
+      const __m512i c3 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v1, 4), low4),
+                                         _mm512_and_si512(_mm512_srli_epi16(hb, 2), two));
       // per block, for every row: the scale of each lane's sum, and the factor of its "min"
-      // term (multiplied by da * the lane's activation sum)
-      __m512 dsc, vmin;
-      if (lane_scaled(K)) {
-        const __m512 both = _mm512_cvtph_ps(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.meta + blk * 32)));
-        dsc = _mm512_permutexvar_ps(idx_sc, both);
-        vmin = _mm512_permutexvar_ps(idx_m, both);
-      } else {
-        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.meta + blk * 16));
-        __m512i sc_lanes, m_lanes;
-        if (K == kQ6K) {
-          sc_lanes = _mm512_cvtepi8_epi32(raw);
-          m_lanes = _mm512_slli_epi32(sc_lanes, 5);  // 32 * sc: the codes' offset
-        } else {
-          const __m512i both = _mm512_cvtepu8_epi32(raw);  // sc[0..7], m[0..7]
-          sc_lanes = _mm512_permutexvar_epi32(idx_sc, both);
-          m_lanes = _mm512_permutexvar_epi32(idx_m, both);
-        }
-        const float dw = _cvtsh_ss(w.d[blk]);
-        const float dm = K == kQ6K ? dw : _cvtsh_ss(w.dmin[blk]);
-        dsc = _mm512_mul_ps(_mm512_cvtepi32_ps(sc_lanes), _mm512_set1_ps(dw));
-        vmin = _mm512_mul_ps(_mm512_cvtepi32_ps(m_lanes), _mm512_set1_ps(-dm));
-      }
+      // term (the codes' offset 32, multiplied by da * the lane's activation sum)
+      const __m512i sc = _mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.meta + blk * 16)));
+      const float dw = _cvtsh_ss(w.d[blk]);
+      const __m512 dsc = _mm512_mul_ps(_mm512_cvtepi32_ps(sc), _mm512_set1_ps(dw));
+      const __m512 vmin =
+          _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_slli_epi32(sc, 5)), _mm512_set1_ps(-dw));
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const int8_t* qa = a.q + r * a.k + b * QK;
         __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c0, _mm512_loadu_si512(qa));
@@ -329,6 +385,83 @@ KQ_TARGET void rows_avx512(const Weights& w, const Acts& a, int64_t n0, int64_t 
         facc[r] = _mm512_fmadd_ps(t, _mm512_loadu_ps(a.d + r * (a.k / 16) + b * 16), facc[r]);
         const __m512 u = _mm512_loadu_ps(a.u + r * (a.k / 16) + b * 16);
         facc[r] = _mm512_fmadd_ps(u, vmin, facc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) y[r * n_out + n] = hsum512(facc[r]);
+  }
+}
+
+// R rows (1..8) against output channels [n0, n1) of a paired kind: every pair of blocks is
+// unpacked once.
+template <int R, int K>
+KQ_TARGET void pairs_avx512(const Weights& w, const Acts& a, int64_t n0, int64_t n1, float* y,
+                            int64_t n_out) {
+  constexpr int64_t stride = code_stride(K);
+  const int64_t nb = w.nb, ka = a.k / QA;
+  const __m512i low4 = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(0x30);
+  for (int64_t n = n0; n < n1; ++n) {
+    __m512 facc[R];
+    for (int r = 0; r < R; ++r) facc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b += 2) {
+      const int64_t blk = n * nb + b;
+      prefetch(w.codes, (blk + PF_BLOCKS) * stride, 2 * stride);
+      const uint8_t* p = w.codes + blk * stride;
+      __m512i c[8];
+      if (K == kL8) {
+        for (int i = 0; i < 8; ++i) c[i] = _mm512_loadu_si512(p + 64 * i);
+      } else {
+        for (int j = 0; j < 4; ++j) {
+          const __m512i v = _mm512_loadu_si512(p + 64 * j);
+          c[2 * j] = _mm512_and_si512(v, low4);
+          c[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        }
+      }
+      if (high_bits(K)) {
+        for (int h = 0; h < 2; ++h) {
+          const __m512i hb = _mm512_loadu_si512(p + 256 + 64 * h);
+          __m512i* q = c + 4 * h;
+          q[0] = _mm512_or_si512(q[0], _mm512_and_si512(_mm512_slli_epi16(hb, 4), two));
+          q[1] = _mm512_or_si512(q[1], _mm512_and_si512(_mm512_slli_epi16(hb, 2), two));
+          q[2] = _mm512_or_si512(q[2], _mm512_and_si512(hb, two));
+          q[3] = _mm512_or_si512(q[3], _mm512_and_si512(_mm512_srli_epi16(hb, 2), two));
+        }
+      }
+      // per pair, for every row: the scale of each lane's sum and the factor of its "min"
+      // term (multiplied by da * the lane's activation sum); lanes 0-7 are block b's
+      const uint8_t* meta = w.meta + blk * meta_stride(K);
+      __m512 dsc, vmin;
+      if (lane_scaled(K)) {
+        dsc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(meta)));
+        vmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(meta + 32)));
+      } else {
+        const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta)));
+        const __m512i m = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 16)));
+        const __m512 dv = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(_cvtsh_ss(w.d[blk])),
+                                               _mm512_set1_ps(_cvtsh_ss(w.d[blk + 1])));
+        const __m512 mv = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(-_cvtsh_ss(w.dmin[blk])),
+                                               _mm512_set1_ps(-_cvtsh_ss(w.dmin[blk + 1])));
+        dsc = _mm512_mul_ps(_mm512_cvtepi32_ps(sc), dv);
+        vmin = _mm512_mul_ps(_mm512_cvtepi32_ps(m), mv);
+      }
+      // registers outer, rows inner: the rows' dot products are independent, so a pass's rows
+      // fill the pipes while each one's chain waits; one or two rows split theirs in two
+      // (integer sums: the same bits either way)
+      constexpr int NA = R <= 2 ? 2 : 1;
+      __m512i acc[R * NA];
+      for (int j = 0; j < R * NA; ++j) acc[j] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i)
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const int j = r * NA + (NA == 2 ? i / 4 : 0);
+          acc[j] = _mm512_dpbusd_epi32(acc[j], c[i], _mm512_loadu_si512(a.q + r * a.k + b * QK + 64 * i));
+        }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m512i sum = NA == 2 ? _mm512_add_epi32(acc[2 * r], acc[2 * r + 1]) : acc[r];
+        const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), dsc);
+        facc[r] = _mm512_fmadd_ps(t, _mm512_loadu_ps(a.d + r * ka + b * 8), facc[r]);
+        facc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(a.u + r * ka + b * 8), vmin, facc[r]);
       }
     }
     for (int r = 0; r < R; ++r) y[r * n_out + n] = hsum512(facc[r]);
@@ -369,126 +502,153 @@ KQ_AVX2 void quantize_block_avx2(const float* xb, int8_t* qb, float* d, int16_t*
   *d = 1.f / iscale;
 }
 
-// The AVX-512 kernel's lanes split in two 256-bit halves (lanes 0-7, 8-15): the same layout,
-// the same exact integer dot products (maddubs pairs then madd; 4-bit codes' four 16-bit
-// partial sums stay below 2 * 4 * 15 * 127 and 6-bit layouts' two below 2 * 2 * 63 * 127, so
-// nothing saturates; 8-bit codes, whose pairs could, go as 2 * (code >> 1) + (code & 1)), the
-// same per-lane float accumulation, and the final sum adds the halves first, as the AVX-512
-// reduction does.
-template <int R, int K>
-KQ_AVX2 void rows_avx2(const Weights& w, const Acts& a, int64_t n0, int64_t n1, float* y,
-                       int64_t n_out) {
+// The AVX-512 kernels' lanes split in two 256-bit halves (lanes 0-7, 8-15): the same layouts,
+// the same exact integer dot products (maddubs pairs then madd; the 16-bit partial sums stay
+// below 32767: 4-bit codes' eight pair sums below 8 * 2 * 15 * 127, 5-bit codes' four below
+// 4 * 2 * 31 * 127, Q6_K's two below 2 * 2 * 63 * 127; 8-bit codes, whose pairs could
+// saturate, go as 2 * (code >> 1) + (code & 1)), the same per-lane float accumulation, and the
+// final sum adds the halves first, as the AVX-512 reduction does.
+KQ_AVX2 inline float hsum_halves(__m256 h0, __m256 h1) {
+  const __m256 s8 = _mm256_add_ps(h0, h1);
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  const __m128 s1 = _mm_add_ss(s2, _mm_movehdup_ps(s2));
+  return _mm_cvtss_f32(s1);
+}
+
+KQ_AVX2 inline __m256i load256(const void* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+template <int R>
+KQ_AVX2 void q6_avx2(const Weights& w, const Acts& a, int64_t n0, int64_t n1, float* y,
+                     int64_t n_out) {
+  constexpr int64_t stride = code_stride(kQ6K);
   const int64_t nb = w.nb;
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i low4 = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x30);
   const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i idx_sc = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
-  const __m256i idx_hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
   for (int64_t n = n0; n < n1; ++n) {
     __m256 facc[R][2];
     for (int r = 0; r < R; ++r) facc[r][0] = facc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t blk = n * nb + b;
-      prefetch_ahead<K>(w, blk);
-      const uint8_t* p = w.codes + blk * code_stride(K);
-      const uint8_t* meta = w.meta + blk * meta_stride(K);
-      __m256 ld8 = _mm256_setzero_ps(), lm8 = _mm256_setzero_ps();
-      float dw = 0.f, dm = 0.f;
-      if (lane_scaled(K)) {
-        ld8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta)));
-        lm8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 16)));
-      } else {
-        dw = _cvtsh_ss(w.d[blk]);
-        dm = K == kQ6K ? dw : _cvtsh_ss(w.dmin[blk]);
-      }
+      prefetch(w.codes, (blk + PF_BLOCKS) * stride, stride);
+      const uint8_t* p = w.codes + blk * stride;
+      const uint8_t* meta = w.meta + blk * meta_stride(kQ6K);
+      const float dw = _cvtsh_ss(w.d[blk]);
       for (int half = 0; half < 2; ++half) {
         const int o = 32 * half;  // byte offset of this half within each 64-byte register
-        __m256i c0, c1, c2, c3;
+        const __m256i v0 = load256(p + o), v1 = load256(p + 64 + o), hb = load256(p + 128 + o);
+        const __m256i c0 = _mm256_or_si256(_mm256_and_si256(v0, low4),
+                                           _mm256_and_si256(_mm256_slli_epi16(hb, 4), two));
+        const __m256i c1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v0, 4), low4),
+                                           _mm256_and_si256(_mm256_slli_epi16(hb, 2), two));
+        const __m256i c2 = _mm256_or_si256(_mm256_and_si256(v1, low4), _mm256_and_si256(hb, two));
+        const __m256i c3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v1, 4), low4),
+                                           _mm256_and_si256(_mm256_srli_epi16(hb, 2), two));
+        const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta + 8 * half)));
+        const __m256 dsc = _mm256_mul_ps(_mm256_cvtepi32_ps(sc), _mm256_set1_ps(dw));
+        const __m256 vmin =
+            _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_slli_epi32(sc, 5)), _mm256_set1_ps(-dw));
+        for (int r = 0; r < R; ++r) {
+          const int8_t* qa = a.q + r * a.k + b * QK + o;
+          const __m256i p0 = _mm256_maddubs_epi16(c0, load256(qa));
+          const __m256i p1 = _mm256_maddubs_epi16(c1, load256(qa + 64));
+          const __m256i p2 = _mm256_maddubs_epi16(c2, load256(qa + 128));
+          const __m256i p3 = _mm256_maddubs_epi16(c3, load256(qa + 192));
+          const __m256i acc = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones),
+                                               _mm256_madd_epi16(_mm256_add_epi16(p2, p3), ones));
+          const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(acc), dsc);
+          const int64_t g = r * (a.k / 16) + b * 16 + 8 * half;
+          facc[r][half] = _mm256_fmadd_ps(t, _mm256_loadu_ps(a.d + g), facc[r][half]);
+          facc[r][half] = _mm256_fmadd_ps(_mm256_loadu_ps(a.u + g), vmin, facc[r][half]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) y[r * n_out + n] = hsum_halves(facc[r][0], facc[r][1]);
+  }
+}
+
+template <int R, int K>
+KQ_AVX2 void pairs_avx2(const Weights& w, const Acts& a, int64_t n0, int64_t n1, float* y,
+                        int64_t n_out) {
+  constexpr int64_t stride = code_stride(K);
+  const int64_t nb = w.nb, ka = a.k / QA;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x30);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t n = n0; n < n1; ++n) {
+    __m256 facc[R][2];
+    for (int r = 0; r < R; ++r) facc[r][0] = facc[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b += 2) {
+      const int64_t blk = n * nb + b;
+      prefetch(w.codes, (blk + PF_BLOCKS) * stride, 2 * stride);
+      const uint8_t* p = w.codes + blk * stride;
+      const uint8_t* meta = w.meta + blk * meta_stride(K);
+      for (int half = 0; half < 2; ++half) {  // block b + half
+        const int o = 32 * half;
+        __m256i c[8];
         if (K == kL8) {
-          c0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + o));
-          c1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 + o));
-          c2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + o));
-          c3 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 192 + o));
+          for (int i = 0; i < 8; ++i) c[i] = load256(p + 64 * i + o);
         } else {
-          const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + o));
-          const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 + o));
-          c0 = _mm256_and_si256(v0, low4);
-          c1 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
-          c2 = _mm256_and_si256(v1, low4);
-          c3 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
+          for (int j = 0; j < 4; ++j) {
+            const __m256i v = load256(p + 64 * j + o);
+            c[2 * j] = _mm256_and_si256(v, low4);
+            c[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+          }
         }
         if (high_bits(K)) {
-          const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + o));
-          const __m256i two = _mm256_set1_epi8(0x30);
-          c0 = _mm256_or_si256(c0, _mm256_and_si256(_mm256_slli_epi16(hb, 4), two));
-          c1 = _mm256_or_si256(c1, _mm256_and_si256(_mm256_slli_epi16(hb, 2), two));
-          c2 = _mm256_or_si256(c2, _mm256_and_si256(hb, two));
-          c3 = _mm256_or_si256(c3, _mm256_and_si256(_mm256_srli_epi16(hb, 2), two));
+          for (int h = 0; h < 2; ++h) {
+            const __m256i hb = load256(p + 256 + 64 * h + o);
+            __m256i* q = c + 4 * h;
+            q[0] = _mm256_or_si256(q[0], _mm256_and_si256(_mm256_slli_epi16(hb, 4), two));
+            q[1] = _mm256_or_si256(q[1], _mm256_and_si256(_mm256_slli_epi16(hb, 2), two));
+            q[2] = _mm256_or_si256(q[2], _mm256_and_si256(hb, two));
+            q[3] = _mm256_or_si256(q[3], _mm256_and_si256(_mm256_srli_epi16(hb, 2), two));
+          }
         }
         __m256 dsc, vmin;
         if (lane_scaled(K)) {
-          const __m256i idx = half ? idx_hi : idx_sc;
-          dsc = _mm256_permutevar8x32_ps(ld8, idx);
-          vmin = _mm256_permutevar8x32_ps(lm8, idx);
+          dsc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 16 * half)));
+          vmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 32 + 16 * half)));
         } else {
-          __m256i sc_lanes, m_lanes;
-          if (K == kQ6K) {
-            sc_lanes = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta + 8 * half)));
-            m_lanes = _mm256_slli_epi32(sc_lanes, 5);
-          } else {
-            const __m256i sc8 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta + 4 * half)));
-            const __m256i m8 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta + 8 + 4 * half)));
-            sc_lanes = _mm256_permutevar8x32_epi32(sc8, idx_sc);
-            m_lanes = _mm256_permutevar8x32_epi32(m8, idx_sc);
-          }
-          dsc = _mm256_mul_ps(_mm256_cvtepi32_ps(sc_lanes), _mm256_set1_ps(dw));
-          vmin = _mm256_mul_ps(_mm256_cvtepi32_ps(m_lanes), _mm256_set1_ps(-dm));
+          const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta + 8 * half)));
+          const __m256i m = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta + 16 + 8 * half)));
+          dsc = _mm256_mul_ps(_mm256_cvtepi32_ps(sc), _mm256_set1_ps(_cvtsh_ss(w.d[blk + half])));
+          vmin = _mm256_mul_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(-_cvtsh_ss(w.dmin[blk + half])));
         }
         for (int r = 0; r < R; ++r) {
           const int8_t* qa = a.q + r * a.k + b * QK + o;
-          const __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qa));
-          const __m256i a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qa + 64));
-          const __m256i a2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qa + 128));
-          const __m256i a3 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qa + 192));
           __m256i acc;
           if (K == kL8) {
             const __m256i seven = _mm256_set1_epi8(0x7F), one = _mm256_set1_epi8(1);
             __m256i hi = _mm256_setzero_si256(), lo = _mm256_setzero_si256();
-            const __m256i cs[4] = {c0, c1, c2, c3};
-            const __m256i as[4] = {a0, a1, a2, a3};
-            for (int c = 0; c < 4; ++c) {
-              const __m256i h7 = _mm256_and_si256(_mm256_srli_epi16(cs[c], 1), seven);
-              const __m256i l1 = _mm256_and_si256(cs[c], one);
-              hi = _mm256_add_epi32(hi, _mm256_madd_epi16(_mm256_maddubs_epi16(h7, as[c]), ones));
-              lo = _mm256_add_epi32(lo, _mm256_madd_epi16(_mm256_maddubs_epi16(l1, as[c]), ones));
+            for (int i = 0; i < 8; ++i) {
+              const __m256i ai = load256(qa + 64 * i);
+              const __m256i h7 = _mm256_and_si256(_mm256_srli_epi16(c[i], 1), seven);
+              const __m256i l1 = _mm256_and_si256(c[i], one);
+              hi = _mm256_add_epi32(hi, _mm256_madd_epi16(_mm256_maddubs_epi16(h7, ai), ones));
+              lo = _mm256_add_epi32(lo, _mm256_madd_epi16(_mm256_maddubs_epi16(l1, ai), ones));
             }
             acc = _mm256_add_epi32(_mm256_slli_epi32(hi, 1), lo);
           } else {
-            const __m256i p0 = _mm256_maddubs_epi16(c0, a0);
-            const __m256i p1 = _mm256_maddubs_epi16(c1, a1);
-            const __m256i p2 = _mm256_maddubs_epi16(c2, a2);
-            const __m256i p3 = _mm256_maddubs_epi16(c3, a3);
+            __m256i pr[8];
+            for (int i = 0; i < 8; ++i) pr[i] = _mm256_maddubs_epi16(c[i], load256(qa + 64 * i));
+            const __m256i s0 = _mm256_add_epi16(_mm256_add_epi16(pr[0], pr[1]), _mm256_add_epi16(pr[2], pr[3]));
+            const __m256i s1 = _mm256_add_epi16(_mm256_add_epi16(pr[4], pr[5]), _mm256_add_epi16(pr[6], pr[7]));
             if (high_bits(K)) {
-              acc = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones),
-                                     _mm256_madd_epi16(_mm256_add_epi16(p2, p3), ones));
+              acc = _mm256_add_epi32(_mm256_madd_epi16(s0, ones), _mm256_madd_epi16(s1, ones));
             } else {
-              acc = _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p0, p1), _mm256_add_epi16(p2, p3)), ones);
+              acc = _mm256_madd_epi16(_mm256_add_epi16(s0, s1), ones);
             }
           }
           const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(acc), dsc);
-          facc[r][half] = _mm256_fmadd_ps(
-              t, _mm256_loadu_ps(a.d + r * (a.k / 16) + b * 16 + 8 * half), facc[r][half]);
-          const __m256 u = _mm256_loadu_ps(a.u + r * (a.k / 16) + b * 16 + 8 * half);
-          facc[r][half] = _mm256_fmadd_ps(u, vmin, facc[r][half]);
+          const int64_t g = r * ka + b * 8 + 8 * half;
+          facc[r][half] = _mm256_fmadd_ps(t, _mm256_loadu_ps(a.d + g), facc[r][half]);
+          facc[r][half] = _mm256_fmadd_ps(_mm256_loadu_ps(a.u + g), vmin, facc[r][half]);
         }
       }
     }
-    for (int r = 0; r < R; ++r) {
-      const __m256 s8 = _mm256_add_ps(facc[r][0], facc[r][1]);
-      const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-      const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-      const __m128 s1 = _mm_add_ss(s2, _mm_movehdup_ps(s2));
-      y[r * n_out + n] = _mm_cvtss_f32(s1);
-    }
+    for (int r = 0; r < R; ++r) y[r * n_out + n] = hsum_halves(facc[r][0], facc[r][1]);
   }
 }
 
@@ -496,19 +656,22 @@ KQ_AVX2 void rows_avx2(const Weights& w, const Acts& a, int64_t n0, int64_t n1, 
 template <int R, int K>
 struct Avx512Rows {
   static void run(const Weights& w, const Acts& a, int64_t n0, int64_t n1, float* y, int64_t n) {
-    rows_avx512<R, K>(w, a, n0, n1, y, n);
+    if constexpr (K == kQ6K) q6_avx512<R>(w, a, n0, n1, y, n);
+    else pairs_avx512<R, K>(w, a, n0, n1, y, n);
   }
 };
 template <int R, int K>
 struct Avx2Rows {
   static void run(const Weights& w, const Acts& a, int64_t n0, int64_t n1, float* y, int64_t n) {
-    rows_avx2<R, K>(w, a, n0, n1, y, n);
+    if constexpr (K == kQ6K) q6_avx2<R>(w, a, n0, n1, y, n);
+    else pairs_avx2<R, K>(w, a, n0, n1, y, n);
   }
 };
 template <int R, int K>
 struct ScalarRows {
   static void run(const Weights& w, const Acts& a, int64_t n0, int64_t n1, float* y, int64_t n) {
-    rows_scalar<K>(w, a, R, n0, n1, y, n);
+    if constexpr (K == kQ6K) q6_scalar(w, a, R, n0, n1, y, n);
+    else pairs_scalar<K>(w, a, R, n0, n1, y, n);
   }
 };
 
@@ -568,13 +731,16 @@ torch::Tensor kquant_mm_on(torch::Tensor x, torch::Tensor codes, torch::Tensor m
   TORCH_CHECK(kind >= 0 && kind <= kLastKind, "unknown weight kind ", kind);
   x = x.contiguous();
   const int K = static_cast<int>(kind);
-  TORCH_CHECK(codes.dim() == 2 && codes.size(1) % code_stride(K) == 0,
-              "codes must be [N, blocks * ", code_stride(K), "] bytes");
-  // the weights' width, a multiple of 256; x may be narrower by less than a block (the rest are
-  // zero weights, met by zero inputs)
+  const bool pair = paired(K);
+  const int64_t unit = pair ? 2 * QK : QK;  // the weights the kernel takes at a time
+  TORCH_CHECK(codes.dim() == 2 && codes.size(1) % (code_stride(K) * (unit / QK)) == 0,
+              "codes must be [N, blocks * ", code_stride(K), "] bytes",
+              pair ? ", an even number of blocks" : "");
+  // the weights' width, a multiple of the unit; x may be narrower by less than a unit (the rest
+  // are zero weights, met by zero inputs), by whole blocks for the K-quants
   const int64_t nb = codes.size(1) / code_stride(K);
   const int64_t rows = x.size(0), k_in = x.size(1), k = nb * QK;
-  TORCH_CHECK(k_in <= k && k_in > k - QK && (k_in == k || lane_scaled(K)),
+  TORCH_CHECK(k_in <= k && k_in > k - unit && (k_in % QK == 0 || lane_scaled(K)),
               "weights and input disagree on in_features (", k_in, " inputs, weights ", k, " wide)");
   const int64_t n_out = codes.size(0);
   TORCH_CHECK(meta.numel() == n_out * nb * meta_stride(K), "meta has the wrong size");
@@ -589,22 +755,29 @@ torch::Tensor kquant_mm_on(torch::Tensor x, torch::Tensor codes, torch::Tensor m
       mptr = reinterpret_cast<const uint16_t*>(dmin.data_ptr<at::Half>());
     }
   }
+  // activation scales and min factors per lane: 32 inputs (paired) or 16 (Q6_K)
+  const int64_t per_row = pair ? k / QA : k / 16;
   auto q = torch::empty({rows, k}, torch::kInt8);
-  auto da = torch::empty({rows, k / 16}, torch::kFloat32);
-  auto bs = torch::empty({rows, k / 16}, torch::kInt16);
-  auto u = torch::empty({rows, k / 16}, torch::kFloat32);
+  auto da = torch::empty({rows, per_row}, torch::kFloat32);
+  auto bs = torch::empty({pair ? 0 : rows, k / 16}, torch::kInt16);
+  auto u = torch::empty({rows, per_row}, torch::kFloat32);
   TORCH_CHECK(path >= kScalar && path <= best_path(), "kernel path ", path,
               " does not run on this CPU (best: ", path_name(), ")");
-  quantize_rows(x.data_ptr<float>(), rows, k_in, k, q.data_ptr<int8_t>(), da.data_ptr<float>(),
-                bs.data_ptr<int16_t>(), u.data_ptr<float>(), path);
+  if (pair)
+    quantize_rows_paired(x.data_ptr<float>(), rows, k_in, k, q.data_ptr<int8_t>(),
+                         da.data_ptr<float>(), u.data_ptr<float>(), path);
+  else
+    quantize_rows(x.data_ptr<float>(), rows, k_in, k, q.data_ptr<int8_t>(), da.data_ptr<float>(),
+                  bs.data_ptr<int16_t>(), u.data_ptr<float>(), path);
   auto y = torch::empty({rows, n_out}, torch::kFloat32);
   Weights w{codes.data_ptr<uint8_t>(), meta.data_ptr<uint8_t>(), dptr, mptr, nb};
   const int64_t grain = std::max<int64_t>(16, n_out / (8 * at::get_num_threads()));
   at::parallel_for(0, n_out, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t r0 = 0; r0 < rows; r0 += MAX_ROWS) {
       const int r = static_cast<int>(std::min<int64_t>(MAX_ROWS, rows - r0));
-      Acts a{q.data_ptr<int8_t>() + r0 * k, da.data_ptr<float>() + r0 * (k / 16),
-             bs.data_ptr<int16_t>() + r0 * (k / 16), u.data_ptr<float>() + r0 * (k / 16), k};
+      Acts a{q.data_ptr<int8_t>() + r0 * k, da.data_ptr<float>() + r0 * per_row,
+             pair ? nullptr : bs.data_ptr<int16_t>() + r0 * (k / 16),
+             u.data_ptr<float>() + r0 * per_row, k};
       float* yr = y.data_ptr<float>() + r0 * n_out;
       if (path == kAvx512) dispatch_kind<Avx512Rows>(K, w, a, r, n0, n1, yr, n_out);
       else if (path == kAvx2) dispatch_kind<Avx2Rows>(K, w, a, r, n0, n1, yr, n_out);
