@@ -10,6 +10,7 @@ calibration keys on the numerics; shapes a kernel cannot take and non-CPU device
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -320,3 +321,35 @@ def test_int4_ort_runs_torch_on_one_thread_and_restores_the_count(tiny_model_dir
     finally:
         handle.remove()
         torch.set_num_threads(before)
+
+
+def test_a_kernel_change_starts_a_new_cost_calibration(tiny_model_dir, monkeypatch):
+    """Numerics that run specdec's own compiled kernel key their verification-cost curve by a
+    digest of its sources: after an upgrade changes the kernel, the old curve (its T(n)/T(1))
+    is neither read under the new key nor picked up as a thread-less legacy file."""
+    import dataclasses
+
+    from specdec.control import calibration
+    from specdec.target import kquant
+
+    loaded = load_model(tiny_model_dir, dtype="int4")
+    as_kquant = dataclasses.replace(loaded, dtype_name="kquant")
+    before = cost_calibration_path(as_kquant)
+    assert f"kernel={kquant.kernel_digest()}" in calibration._kernel_key(as_kquant)
+    monkeypatch.setattr(kquant, "kernel_digest", lambda: "another")
+    assert cost_calibration_path(as_kquant) != before
+    # other numerics are not keyed by it
+    assert calibration._kernel_key(loaded) == []
+    # a valid curve where files were kept before threads were in the key: read for other
+    # numerics, not for the kernel's
+    body = json.dumps(measure_verify_costs(loaded, [2], repeats=1).to_json())
+    for model in (loaded, as_kquant):
+        legacy = calibration.legacy_cost_calibration_path(model)
+        legacy.parent.mkdir(parents=True, exist_ok=True)
+        legacy.write_text(body)
+    try:
+        assert calibration.load_cost_calibration(loaded) is not None
+        assert calibration.load_cost_calibration(as_kquant) is None
+    finally:
+        for model in (loaded, as_kquant):
+            calibration.legacy_cost_calibration_path(model).unlink()

@@ -108,13 +108,25 @@ def _on_cpu(loaded: LoadedModel) -> bool:
     return _device(loaded).startswith("cpu")
 
 
+def _kernel_key(loaded: LoadedModel) -> list[str]:
+    """For numerics that run specdec's own compiled kernel, a digest of its sources: a new
+    kernel changes T(n)/T(1), and a curve measured with the old one would price every draft
+    by the old costs after an upgrade."""
+    if loaded.dtype_name != "kquant":
+        return []
+    from specdec.target.kquant import kernel_digest
+
+    return [f"kernel={kernel_digest()}"]
+
+
 def cost_calibration_path(loaded: LoadedModel) -> Path:
-    """Per model identity, dtype, device and, on a CPU, torch's thread count: each changes
-    T(n)/T(1). Threads matter because one decoding step is bound by memory bandwidth, which
-    more threads barely raise, while verifying n tokens is bound by arithmetic, which they
-    divide: a curve measured on 2 threads prices drafts too cheaply on 1."""
+    """Per model identity, dtype, device, the kernel where specdec compiles its own and, on a
+    CPU, torch's thread count: each changes T(n)/T(1). Threads matter because one decoding
+    step is bound by memory bandwidth, which more threads barely raise, while verifying n
+    tokens is bound by arithmetic, which they divide: a curve measured on 2 threads prices
+    drafts too cheaply on 1."""
     threads = [f"threads={torch.get_num_threads()}"] if _on_cpu(loaded) else []
-    return legacy_cost_calibration_path(loaded, *threads)
+    return legacy_cost_calibration_path(loaded, *threads, *_kernel_key(loaded))
 
 
 def legacy_cost_calibration_path(loaded: LoadedModel, *more: str) -> Path:
@@ -140,7 +152,9 @@ def load_cost_calibration(loaded: LoadedModel) -> CostCalibration | None:
     """The saved calibration for ``loaded``, or ``None`` (an unreadable file is ignored with a
     warning: the engine then falls back to its generic prior, which is slower, never wrong)."""
     path = cost_calibration_path(loaded)
-    legacy = not path.is_file() and _on_cpu(loaded)
+    # files from before the thread count was in the key (never for a compiled kernel's
+    # numerics: those files predate its digest too)
+    legacy = not path.is_file() and _on_cpu(loaded) and not _kernel_key(loaded)
     if legacy:
         path = legacy_cost_calibration_path(loaded)
     if not path.is_file():

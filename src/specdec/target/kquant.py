@@ -24,6 +24,7 @@ torch version (its compile time: experiments/kquant/2026-12-05-kquant.md).
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import sys
 from pathlib import Path
@@ -53,6 +54,15 @@ def _ext_dir() -> Path:
     path = files.cache_root() / "ext" / f"kquant-torch{torch.__version__.replace('+', '-')}"
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+@functools.cache
+def kernel_digest() -> str:
+    """A digest of the kernel's sources: what a measurement of its speed is keyed by."""
+    digest = hashlib.sha256()
+    for source in sorted(Path(__file__).with_name("csrc").glob("*.cpp")):
+        digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 @functools.cache
