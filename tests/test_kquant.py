@@ -81,10 +81,10 @@ def reference_weight(kind: str, blocks: np.ndarray) -> torch.Tensor:
 @pytest.mark.parametrize("k", [512, 576, 768])
 def test_every_kind_is_read_exactly_and_computed_row_by_row(kind, k):
     """Each file type's blocks give the gguf package's own dequantisation bit for bit (rows
-    of an odd number of blocks, 768 wide, or 576 wide, as the bundled model's, are padded with
-    zero weights to the kernel's unit: 1024 for the kinds it takes two blocks at a time, 768
-    for Q6_K), the layer stays close to the fp32 one, every row is computed alone, and the
-    SIMD paths give the same bits while the portable loop agrees to float rounding."""
+    of an odd number of blocks, 768 wide, end with a block the kernel takes alone; rows 576
+    wide, as the bundled model's, are padded to 768 with zero weights), the layer stays close
+    to the fp32 one, every row is computed alone, and the SIMD paths give the same bits while
+    the portable loop agrees to float rounding."""
     if k % ALL_KINDS[kind][1]:
         pytest.skip(f"{kind} blocks are {ALL_KINDS[kind][1]} wide")
     blocks = random_blocks(kind, 24, k, seed=11)
@@ -106,11 +106,8 @@ def test_every_kind_is_read_exactly_and_computed_row_by_row(kind, k):
     # the kernel pads narrower rows itself, to the same bits as rows padded beforehand
     for p in range(ext.best_path() + 1):
         assert torch.equal(ext.kquant_mm_on(x, *args, p), paths[p])
-    # an input a whole kernel unit narrower than the weights (two blocks where the kernel pairs
-    # them) is refused
-    unit = 512 if layer.paired else 256
     with pytest.raises(RuntimeError, match="disagree on in_features"):
-        ext.kquant_mm(x[:, : layer.padded_in - unit], *args, False)
+        ext.kquant_mm(x[:, : layer.padded_in - 256], *args, False)
 
 
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])

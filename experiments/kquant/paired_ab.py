@@ -53,13 +53,19 @@ def before(rev: str, tmp: Path) -> ModuleType:
     return module
 
 
-def model_layers(module: ModuleType, gguf: Path) -> list:
+def model_layers(module: ModuleType, gguf: Path, head: bool) -> list:
+    """The file's block linears; with ``head``, its LM head too (``output``, or the tied
+    ``token_embd``)."""
     from gguf import GGUFReader
 
+    tensors = GGUFReader(str(gguf)).tensors
+    names = {t.name for t in tensors}
+    heads = {"output.weight"} if "output.weight" in names else {"token_embd.weight"}
     return [
         module.KQuantLinear.from_gguf(t.tensor_type.name, np.asarray(t.data), int(t.shape[0]))
-        for t in GGUFReader(str(gguf)).tensors
-        if t.name.startswith("blk.") and t.tensor_type.name in module.KIND_IDS
+        for t in tensors
+        if (t.name.startswith("blk.") or (head and t.name in heads))
+        and t.tensor_type.name in module.KIND_IDS
     ]
 
 
@@ -82,6 +88,9 @@ def main() -> None:
     ap.add_argument("rev", help="git revision of the kernel before the change")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--gguf", type=Path, default=None, help="another file (default: the 1.5B's)")
+    ap.add_argument("--no-hot", action="store_true", help="skip the in-cache layer")
+    ap.add_argument("--head", action="store_true", help="the LM head too")
     args = ap.parse_args()
     from specdec.target import kquant as after
     from specdec.target.packs import pack_gguf
@@ -89,16 +98,22 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         old = before(args.rev, Path(tmp))
-        gguf = Path(pack_gguf("qwen2.5-coder-1.5b"))
+        gguf = args.gguf or Path(pack_gguf("qwen2.5-coder-1.5b"))
         torch.set_num_threads(args.threads)
-        versions = {"before": model_layers(old, gguf), "after": model_layers(after, gguf)}
+        versions = {
+            "before": model_layers(old, gguf, args.head),
+            "after": model_layers(after, gguf, args.head),
+        }
         res = sweep(versions, KS, args.repeats)
-        print(f"Qwen 1.5B block linears, {args.threads} threads, ms per pass of k rows\n")
+        what = "block linears and LM head" if args.head else "block linears"
+        print(f"{gguf.name}: {what}, {args.threads} threads, ms per pass of k rows\n")
         print("| k | before | after | before / after | after, ÷ its k = 1 |")
         print("|---:|---:|---:|---:|---:|")
         for k in KS:
             b, a = res["before"][k] * 1e3, res["after"][k] * 1e3
             print(f"| {k} | {b:.2f} | {a:.2f} | {b / a:.3f} | {a / (res['after'][1] * 1e3):.2f} |")
+        if args.no_hot:
+            return
         torch.set_num_threads(1)
         blocks = random_blocks("Q4_K", 1024, 1536, 0)
         hot = {

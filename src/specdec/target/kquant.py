@@ -27,6 +27,7 @@ import functools
 import hashlib
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any, cast
@@ -37,14 +38,7 @@ from torch import nn
 
 from specdec.errors import ConfigError
 from specdec.target import files
-from specdec.target.gguf_blocks import (
-    Q4_K_BLOCK_BYTES,
-    Q5_K_BLOCK_BYTES,
-    SMALL_BLOCKS,
-    q4k_fields,
-    q5k_fields,
-    small_block_fields,
-)
+from specdec.target.gguf_blocks import SMALL_BLOCKS, q4k_fields, q5k_fields, small_block_fields
 
 QK = 256
 Q6_K_BYTES = 210  # 128 B low nibbles, 64 B high bits, 16 int8 scales, fp16 d
@@ -95,54 +89,75 @@ def extension() -> ModuleType:
 
 
 def _to_lanes(codes: np.ndarray, per_lane: int = 16) -> np.ndarray:
-    """``[B, 16 * per_lane]`` codes in weight order -> ``[B, per_lane / 4, 64]`` in the
+    """``[B, W]`` codes in weight order -> ``[B, per_lane / 4, 4 * W / per_lane]`` in the
     kernel's lane layout: register c, byte 4 l + i holds weight ``per_lane * l + 4 c + i``
-    (lane l: one group of ``per_lane`` weights with one scale: 16 for Q6_K's blocks, 32 for a
-    pair of blocks of the kinds scaled per 32)."""
-    regs = per_lane // 4
-    return codes.reshape(-1, 16, regs, 4).transpose(0, 2, 1, 3).reshape(-1, regs, 64)
+    (lane l: one group of ``per_lane`` weights with one scale: 16 for Q6_K's blocks, 32 for the
+    kinds scaled per 32, whose W is a pair of blocks or a row's last single block)."""
+    b, lanes, regs = len(codes), codes.shape[1] // per_lane, per_lane // 4
+    return codes.reshape(b, lanes, regs, 4).transpose(0, 2, 1, 3).reshape(b, regs, 4 * lanes)
 
 
 def _pack_nibbles(codes: np.ndarray, per_lane: int = 16) -> np.ndarray:
     """4-bit codes (see :func:`_to_lanes`) as the kernel reads them: registers 2 j and
-    2 j + 1 share the low and high nibbles of bytes 64 j .. 64 j + 63."""
+    2 j + 1 share the low and high nibbles of the j-th register's worth of bytes."""
     lanes = _to_lanes(codes, per_lane)
-    return (lanes[:, 0::2] | (lanes[:, 1::2] << 4)).astype(np.uint8).reshape(len(lanes), -1)
+    packed = (lanes[:, 0::2] | (lanes[:, 1::2] << 4)).astype(np.uint8)
+    return packed.reshape(len(codes), codes.shape[1] // 2)
 
 
 def _pack_six(codes: np.ndarray, per_lane: int = 16) -> np.ndarray:
     """Codes of up to 6 bits as the kernel reads them: the low nibbles packed as for 4 bits,
-    then the 2-bit high parts, 64 bytes per 4 registers, register 4 h + c's in bits 2c and
-    2c + 1 of the h-th 64 bytes."""
+    then the 2-bit high parts, a register's worth of bytes per 4 registers, register 4 h + c's
+    in bits 2c and 2c + 1 of the h-th."""
     nibbles = _pack_nibbles(codes & 15, per_lane)
-    high = _to_lanes(codes >> 4, per_lane).reshape(len(nibbles), -1, 4, 64)
+    lanes = _to_lanes(codes >> 4, per_lane)
+    high = lanes.reshape(len(codes), lanes.shape[1] // 4, 4, lanes.shape[2])
     high = high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)
-    return np.concatenate([nibbles, high.astype(np.uint8).reshape(len(nibbles), -1)], 1)
+    high = high.astype(np.uint8).reshape(len(codes), codes.shape[1] // 4)
+    return np.concatenate([nibbles, high], 1)
 
 
-def _even_blocks(blocks: np.ndarray, n: int, size: int) -> np.ndarray:
-    """``[N, nb * size]`` block bytes with a zero block (scales 0: a zero weight) appended to
-    each row where ``nb`` is odd: the kernel takes the kinds scaled per 32 two blocks at a
-    time."""
-    rows = np.ascontiguousarray(blocks).reshape(n, -1)
-    if (rows.shape[1] // size) % 2:
-        rows = np.concatenate([rows, np.zeros((n, size), np.uint8)], 1)
-    return rows
+def _pack_bytes(codes: np.ndarray, per_lane: int = 16) -> np.ndarray:
+    """8-bit codes in the lane layout, a register after another."""
+    return _to_lanes(codes, per_lane).reshape(codes.shape).astype(np.uint8)
+
+
+def _paired_codes(codes: np.ndarray, n: int, pack: Callable[..., np.ndarray]) -> np.ndarray:
+    """A kind scaled per 32: codes ``[N * nb, 256]`` in weight order as ``[N, nb * stride]``,
+    each row's blocks two at a time and, where ``nb`` is odd, its last block alone."""
+    nb = len(codes) // max(n, 1)
+    rows = codes.reshape(n, nb, QK)
+    even = nb - nb % 2
+    pairs = pack(rows[:, :even].reshape(n * even // 2, 2 * QK), 32)
+    parts = [pairs.reshape(n, pairs.size // max(n, 1))]
+    if nb % 2:
+        last = pack(np.ascontiguousarray(rows[:, -1]), 32)
+        parts.append(last.reshape(n, last.size // max(n, 1)))
+    return np.concatenate(parts, 1)
 
 
 def _paired_meta(first: np.ndarray, second: np.ndarray, n: int) -> np.ndarray:
-    """Two per-block fields ``[N * nb, w]`` (scales and mins) as the kernel reads a pair of
-    blocks: both blocks' ``first``, then both blocks' ``second``; ``[N, nb * 2 * w]``."""
-    pairs = (n, -1, 2 * first.shape[1])
-    return np.concatenate([first.reshape(pairs), second.reshape(pairs)], 2).reshape(n, -1)
+    """Two per-block fields ``[N * nb, w]`` (scales and mins) as the kernel reads them: per
+    pair of blocks both blocks' ``first``, then both blocks' ``second``; a row's last single
+    block its own two. ``[N, nb * 2 * w]``."""
+    w = first.shape[1]
+    nb = len(first) // max(n, 1)
+    f, s = first.reshape(n, nb, w), second.reshape(n, nb, w)
+    even = nb - nb % 2
+    pairs = (n, even // 2, 2 * w)
+    out = np.concatenate([f[:, :even].reshape(pairs), s[:, :even].reshape(pairs)], 2)
+    out = out.reshape(n, even * 2 * w)
+    if nb % 2:
+        out = np.concatenate([out, f[:, -1], s[:, -1]], 1)
+    return out
 
 
 def q4k_parts(blocks: np.ndarray, n: int) -> dict[str, torch.Tensor]:
     """A Q4_K tensor's bytes ``[N, K/256 * 144]`` as the kernel's arrays: nibbles repacked
     into the paired lane layout, integer scales and mins one byte each, fp16 d/dmin."""
-    d, dmin, sc, m, codes = q4k_fields(_even_blocks(blocks, n, Q4_K_BLOCK_BYTES))
+    d, dmin, sc, m, codes = q4k_fields(blocks)
     return {
-        "codes": torch.from_numpy(_pack_nibbles(codes.reshape(-1, 2 * QK), 32).reshape(n, -1)),
+        "codes": torch.from_numpy(_paired_codes(codes, n, _pack_nibbles)),
         "meta": torch.from_numpy(_paired_meta(sc, m, n).astype(np.uint8)),
         "d": torch.from_numpy(d.reshape(n, -1).copy()),
         "dmin": torch.from_numpy(dmin.reshape(n, -1).copy()),
@@ -175,9 +190,9 @@ def q6k_parts(blocks: np.ndarray, n: int) -> dict[str, torch.Tensor]:
 def q5k_parts(blocks: np.ndarray, n: int) -> dict[str, torch.Tensor]:
     """A Q5_K tensor's bytes ``[N, K/256 * 176]``: 5-bit codes in the paired 6-bit layout,
     scales, mins and d/dmin as for Q4_K. ``w = d * sc * q - dmin * m``."""
-    d, dmin, sc, m, codes = q5k_fields(_even_blocks(blocks, n, Q5_K_BLOCK_BYTES))
+    d, dmin, sc, m, codes = q5k_fields(blocks)
     return {
-        "codes": torch.from_numpy(_pack_six(codes.reshape(-1, 2 * QK), 32).reshape(n, -1)),
+        "codes": torch.from_numpy(_paired_codes(codes, n, _pack_six)),
         "meta": torch.from_numpy(_paired_meta(sc, m, n).astype(np.uint8)),
         "d": torch.from_numpy(d.reshape(n, -1).copy()),
         "dmin": torch.from_numpy(dmin.reshape(n, -1).copy()),
@@ -187,25 +202,20 @@ def q5k_parts(blocks: np.ndarray, n: int) -> dict[str, torch.Tensor]:
 def small_parts(kind: str, blocks: np.ndarray, n: int, k: int) -> dict[str, torch.Tensor]:
     """A tensor of 32-weight blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), ``[N, K/32 * bytes]``, as
     the kernel's lane-scaled super-blocks: each row padded with zero blocks (d = m = 0) to a
-    multiple of 512 weights, its codes in the paired lane layout (4-bit, 6-bit or 8-bit), and
-    per 512 weights 16 fp16 d then 16 fp16 m, ``w = d * code + m`` (exact: the file's own
-    values)."""
+    multiple of 256 weights, its codes in the paired lane layout (4-bit, 6-bit or 8-bit), and
+    per pair of 256-weight blocks 16 fp16 d then 16 fp16 m (a last single block: 8 and 8),
+    ``w = d * code + m`` (exact: the file's own values)."""
     codes, d, m = small_block_fields(blocks, kind)
     per_row = k // 32
-    padded = -(-k // (2 * QK)) * (2 * QK // 32)  # 32-blocks per padded row: whole pairs
+    padded = -(-k // QK) * (QK // 32)  # 32-blocks per padded row
     c = np.zeros((n, padded, 32), np.uint8)
     c[:, :per_row] = codes.reshape(n, per_row, 32)
     dd = np.zeros((n, padded), np.float16)
     mm = np.zeros((n, padded), np.float16)
     dd[:, :per_row], mm[:, :per_row] = d.reshape(n, per_row), m.reshape(n, per_row)
-    flat = c.reshape(-1, 2 * QK)
     bits = SMALL_BLOCKS[kind][2]
-    if bits == 4:
-        packed = _pack_nibbles(flat, 32)
-    elif bits == 5:
-        packed = _pack_six(flat, 32)
-    else:
-        packed = _to_lanes(flat, 32).reshape(len(flat), -1).astype(np.uint8)
+    pack = _pack_nibbles if bits == 4 else _pack_six if bits == 5 else _pack_bytes
+    packed = _paired_codes(c.reshape(-1, QK), n, pack)
     meta = _paired_meta(dd.reshape(-1, 8), mm.reshape(-1, 8), n).view(np.uint8)
     return {
         "codes": torch.from_numpy(np.ascontiguousarray(packed).reshape(n, -1).copy()),
@@ -240,11 +250,30 @@ def _rows_of(part: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return part if part.numel() == 0 else part.index_select(0, rows)
 
 
+def _unpack(raw: torch.Tensor, regs: int, lanes: int, stride: int) -> torch.Tensor:
+    """Codes ``[N, units, bytes]`` in the lane layout (``regs`` registers of ``lanes`` lanes a
+    unit; ``stride`` a block's bytes: 128 4-bit, 192 6-bit, 256 8-bit) back in weight order,
+    ``[N, units, lanes * 4 * regs]`` int16 (undoing :func:`_pack_nibbles` and its kin)."""
+    n, units, rb = raw.shape[0], raw.shape[1], 4 * lanes  # rb: bytes of one register
+    if stride == 256:
+        codes = raw.reshape(n, units, regs, rb).to(torch.int16)
+    else:
+        packed = raw[..., : regs * rb // 2].reshape(n, units, regs // 2, 1, rb)
+        codes = torch.cat([packed & 15, packed >> 4], 3).reshape(n, units, regs, rb)
+        codes = codes.to(torch.int16)
+    if stride == 192:
+        high = raw[..., regs * rb // 2 :].reshape(n, units, regs // 4, 1, rb)
+        parts = torch.cat([(high >> (2 * c)) & 3 for c in range(4)], 3)
+        codes = codes | (parts.reshape(n, units, regs, rb).to(torch.int16) << 4)
+    # register c, byte 4 l + i -> weight (4 regs) l + 4 c + i of the unit
+    codes = codes.view(n, units, regs, lanes, 4).permute(0, 1, 3, 2, 4)
+    return codes.reshape(n, units, lanes * 4 * regs)
+
+
 class KQuantLinear(nn.Module):
     """A linear layer over one GGUF tensor of a type in :data:`KINDS`, multiplied by the
-    small-row kernel. Rows are padded with zero weights (and the input with zeros) to a whole
-    number of the kernel's units: 512 weights for the kinds scaled per 32, which it takes two
-    blocks at a time, 256 for Q6_K."""
+    small-row kernel. Rows whose width is not a multiple of 256 are padded with zero weights
+    (and the input with zeros) to the next one."""
 
     def __init__(
         self, kind: str, parts: dict[str, torch.Tensor], in_features: int, bias: torch.Tensor | None
@@ -255,11 +284,10 @@ class KQuantLinear(nn.Module):
         self.kind = kind
         self.kind_id = KIND_IDS[kind]
         self.in_features = in_features
-        if self.kind_id < _LANE_SCALED and in_features % QK:
+        self.padded_in = -(-in_features // QK) * QK
+        if self.kind_id < _LANE_SCALED and self.padded_in != in_features:
             raise ConfigError(f"in_features {in_features} is not a multiple of {QK}")
-        self.paired = self.kind_id != _Q6_K
-        unit = 2 * QK if self.paired else QK  # the weights the kernel takes at a time
-        self.padded_in = -(-in_features // unit) * unit
+        self.paired = self.kind_id != _Q6_K  # laid out two blocks at a time
         self.out_features = parts["codes"].shape[0]
         self.codes, self.meta = parts["codes"], parts["meta"]
         self.d, self.dmin = parts["d"], parts["dmin"]
@@ -310,26 +338,27 @@ class KQuantLinear(nn.Module):
         raw2d = self.codes if codes is None else codes
         n, nb = raw2d.shape[0], self.padded_in // QK
         stride = _CODE_STRIDE[self.kind_id]
-        regs, units = (8, nb // 2) if self.paired else (4, nb)  # registers of 64 codes a unit
-        raw = raw2d.view(n, units, stride * regs // 4)
-        if stride == 256:
-            lanes = raw.view(n, units, regs, 64).to(torch.int16)
-        else:
-            packed = raw[..., : regs * 32].reshape(n, units, regs // 2, 1, 64)
-            lanes = torch.cat([packed & 15, packed >> 4], 3).reshape(n, units, regs, 64)
-            lanes = lanes.to(torch.int16)
-        if stride == 192:
-            high = raw[..., regs * 32 :].reshape(n, units, regs // 4, 1, 64)
-            parts = torch.cat([(high >> (2 * c)) & 3 for c in range(4)], 3)
-            lanes = lanes | (parts.reshape(n, units, regs, 64).to(torch.int16) << 4)
-        # register c, byte 4 l + i -> weight (4 regs) l + 4 c + i of the unit
-        return lanes.view(n, units, regs, 16, 4).permute(0, 1, 3, 2, 4).reshape(n, nb, 256)
+        raw2d = raw2d.reshape(n, nb * stride)
+        if not self.paired:
+            return _unpack(raw2d.view(n, nb, stride), 4, 16, stride).view(n, nb, 256)
+        even = nb - nb % 2
+        pairs = raw2d[:, : even * stride].reshape(n, even // 2, 2 * stride)
+        parts = [_unpack(pairs, 8, 16, stride)]
+        if nb % 2:  # the last block alone
+            parts.append(_unpack(raw2d[:, even * stride :].reshape(n, 1, stride), 8, 8, stride))
+        flat = [part.reshape(n, part.shape[1] * part.shape[2]) for part in parts]
+        return torch.cat(flat, 1).view(n, nb, 256)
 
     def _unpaired(self, meta: torch.Tensor, n: int, nb: int) -> torch.Tensor:
         """A paired kind's meta ``[N, nb * w]`` bytes per block again: ``[N, nb, w]`` with
         each block's first field then its second (undoing :func:`_paired_meta`)."""
         width = meta.shape[1] // nb // 2  # bytes of one field of one block
-        return meta.view(n, nb // 2, 2, 2, width).transpose(2, 3).reshape(n, nb, 2 * width)
+        even = nb - nb % 2
+        body = meta[:, : even * 2 * width].reshape(n, even // 2, 2, 2, width).transpose(2, 3)
+        out = body.reshape(n, even, 2 * width)
+        if nb % 2:
+            out = torch.cat([out, meta[:, even * 2 * width :].reshape(n, 1, 2 * width)], 1)
+        return out
 
     def exact_weight(self) -> torch.Tensor:
         """The exact fp32 weight ``[N, K]`` (what the file's own dequantisation gives)."""

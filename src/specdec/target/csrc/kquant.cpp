@@ -14,8 +14,8 @@
 //   dot products leave each lane its sub-block's exact sum, and one float part (convert, scale,
 //   two multiply-adds) serves both super-blocks: per row and block 4 dot products and half a
 //   float part, where 16-weight lanes paid a whole one (once a pass is bound by arithmetic,
-//   the float part shares the dot products' pipes). Rows of an odd number of super-blocks get
-//   a zero one.
+//   the float part shares the dot products' pipes). A row of an odd number of super-blocks
+//   ends with its last one alone: 8 lanes, registers of 32 bytes.
 // - per 16 weights (Q6_K): one super-block, lane l holding the 16 weights 16 l .. 16 l + 15,
 //   register c (0..3), byte 4 l + i is weight 16 l + 4 c + i; four dot products leave each lane
 //   one scale's exact sum.
@@ -75,6 +75,7 @@ void quantize_block_scalar(const float* xb, int8_t* qb, float* d, int16_t* sb) {
 }
 
 #define KQ_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
+#define KQ_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 KQ_TARGET void quantize_block_avx512(const float* xb, int8_t* qb, float* d, int16_t* sb) {
   __m512 vmax = _mm512_setzero_ps();
@@ -145,9 +146,11 @@ void quantize_rows(const float* x, int64_t rows, int64_t k_in, int64_t k, int8_t
 }
 
 // Natural order -> the paired layout (register c of 8, byte 4 l + i <- weight 32 l + 4 c + i).
-inline void to_pair_lanes(const int8_t* natural, int8_t* lanes) {
-  for (int l = 0; l < 16; ++l)
-    for (int c = 0; c < 8; ++c) std::memcpy(lanes + 64 * c + 4 * l, natural + 32 * l + 4 * c, 4);
+// ``nl`` lanes: 16 for a pair of blocks, 8 for a row's last block when it has an odd number
+// (registers of 4 * nl bytes).
+inline void to_pair_lanes(const int8_t* natural, int8_t* lanes, int nl) {
+  for (int l = 0; l < nl; ++l)
+    for (int c = 0; c < 8; ++c) std::memcpy(lanes + 4 * nl * c + 4 * l, natural + 32 * l + 4 * c, 4);
 }
 
 // The activations of the paired kernels: per row and 512 inputs the codes in the paired
@@ -157,21 +160,22 @@ inline void to_pair_lanes(const int8_t* natural, int8_t* lanes) {
 void quantize_rows_paired(const float* x, int64_t rows, int64_t k_in, int64_t k, int8_t* q,
                           float* d, float* u, int path) {
   constexpr int QP = 2 * QK;
-  const int64_t np = k / QP;
+  const int64_t nu = (k / QK + 1) / 2;  // pairs, and a last single block where the count is odd
   alignas(64) int8_t natural[QP];
   alignas(64) float tail[QP];
   int16_t sb[QA / 16];
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t p = 0; p < np; ++p) {
+    for (int64_t p = 0; p < nu; ++p) {
+      const int64_t width = std::min<int64_t>(QP, k - p * QP);  // 512, or 256 for a last block
       const int64_t g = r * (k / QA) + p * (QP / QA);
       const float* xb = x + r * k_in + p * QP;
-      if ((p + 1) * QP > k_in) {  // the last, partly padded pair
+      if (p * QP + width > k_in) {  // the last, partly padded unit
         const int64_t have = std::max<int64_t>(0, k_in - p * QP);
         std::fill(tail, tail + QP, 0.f);
         std::memcpy(tail, xb, sizeof(float) * have);
         xb = tail;
       }
-      for (int j = 0; j < QP / QA; ++j) {
+      for (int j = 0; j < width / QA; ++j) {
         float dj = 0.f;
         if (path == kAvx512) quantize_block_avx512(xb + j * QA, natural + j * QA, &dj, sb);
         else if (path == kAvx2) quantize_block_avx2(xb + j * QA, natural + j * QA, &dj, sb);
@@ -179,7 +183,7 @@ void quantize_rows_paired(const float* x, int64_t rows, int64_t k_in, int64_t k,
         d[g + j] = dj;
         u[g + j] = dj * static_cast<float>(sb[0] + sb[1]);
       }
-      to_pair_lanes(natural, q + r * k + p * QP);
+      to_pair_lanes(natural, q + r * k + p * QP, static_cast<int>(width / QA));
     }
 }
 
@@ -207,13 +211,14 @@ struct Weights {
   // Per output channel, its blocks in order, ``code_stride`` bytes each; a paired kind's two
   // blocks of a pair are one unit of twice that. Q6_K, [N, nb, 192]: 128 bytes of nibbles
   // (registers 0, 1 the low and high nibbles of bytes 0-63, 2, 3 those of bytes 64-127), then
-  // 64 bytes whose bits 2c, 2c + 1 hold register c's high 2 bits. Paired 4-bit, [N, nb / 2,
-  // 256]: registers 2 j, 2 j + 1 the low and high nibbles of bytes 64 j .. 64 j + 63; 5-bit:
-  // those 256 bytes, then 128 whose first 64 hold registers 0-3's high bits (bits 2c, 2c + 1)
-  // and the next 64 registers 4-7's; 8-bit: register c at byte 64 c.
+  // 64 bytes whose bits 2c, 2c + 1 hold register c's high 2 bits. A pair of a paired kind,
+  // registers of 64 bytes: 4-bit, registers 2 j, 2 j + 1 the low and high nibbles of bytes
+  // 64 j .. 64 j + 63; 5-bit, those 256 bytes, then 128 whose first 64 hold registers 0-3's
+  // high bits (bits 2c, 2c + 1) and the next 64 registers 4-7's; 8-bit, register c at byte
+  // 64 c. A row's last block alone (an odd count): the same with registers of 32 bytes.
   // Meta, ``meta_stride`` bytes a block: Q6_K its 16 int8 scales; a pair of Q4_K/Q5_K blocks
   // sc[16] then m[16] (both blocks' 8 each); a pair of lane-scaled blocks d[16] then m[16]
-  // (fp16).
+  // (fp16); a last single block its own sc[8], m[8] or d[8], m[8].
   const uint8_t* codes;
   const uint8_t* meta;   // [N, nb, meta_stride]
   const uint16_t* d;     // [N, nb] fp16, as in the file (K-quants)
@@ -258,13 +263,14 @@ inline int q6_code_at(const uint8_t* codes, int c, int j) {
   return code | (((codes[128 + j] >> (2 * c)) & 3) << 4);
 }
 
-// One code of a pair of blocks in the paired layout: register c (0..7), byte j (= 4 l + i).
+// One code of a pair of blocks in the paired layout (``reg`` 64: registers of 64 bytes; a
+// row's last single block: 32): register c (0..7), byte j (= 4 l + i).
 template <int K>
-inline int pair_code_at(const uint8_t* codes, int c, int j) {
-  if (K == kL8) return codes[64 * c + j];
-  const uint8_t byte = codes[(c / 2) * 64 + j];
+inline int pair_code_at(const uint8_t* codes, int c, int j, int reg) {
+  if (K == kL8) return codes[reg * c + j];
+  const uint8_t byte = codes[(c / 2) * reg + j];
   int code = (c % 2) ? (byte >> 4) : (byte & 15);
-  if (high_bits(K)) code |= ((codes[256 + 64 * (c / 4) + j] >> (2 * (c % 4))) & 3) << 4;
+  if (high_bits(K)) code |= ((codes[4 * reg + reg * (c / 4) + j] >> (2 * (c % 4))) & 3) << 4;
   return code;
 }
 
@@ -307,23 +313,25 @@ void pairs_scalar(const Weights& w, const Acts& a, int64_t rows, int64_t n0, int
       float sum = 0.f;
       for (int64_t b = 0; b < nb; b += 2) {
         const int64_t blk = n * nb + b;
+        const int nl = b + 1 < nb ? 16 : 8;  // lanes: a pair, or the row's last single block
         const uint8_t* codes = w.codes + blk * code_stride(K);
         const uint8_t* meta = w.meta + blk * meta_stride(K);
         const int8_t* qa = a.q + r * a.k + b * QK;
         const float* da = a.d + r * ka + b * 8;  // per 32 inputs
         const float* u = a.u + r * ka + b * 8;
-        for (int l = 0; l < 16; ++l) {
+        for (int l = 0; l < nl; ++l) {
           int32_t dot = 0;
           for (int c = 0; c < 8; ++c)
-            for (int i = 0; i < 4; ++i) dot += pair_code_at<K>(codes, c, 4 * l + i) * qa[64 * c + 4 * l + i];
+            for (int i = 0; i < 4; ++i)
+              dot += pair_code_at<K>(codes, c, 4 * l + i, 4 * nl) * qa[4 * nl * c + 4 * l + i];
           float dsc, vmin;
           if (lane_scaled(K)) {
             const uint16_t* h = reinterpret_cast<const uint16_t*>(meta);
             dsc = half_to_float(h[l]);
-            vmin = half_to_float(h[16 + l]);
+            vmin = half_to_float(h[nl + l]);
           } else {
             dsc = static_cast<float>(meta[l]) * half_to_float(w.d[blk + l / 8]);
-            vmin = static_cast<float>(meta[16 + l]) * -half_to_float(w.dmin[blk + l / 8]);
+            vmin = static_cast<float>(meta[nl + l]) * -half_to_float(w.dmin[blk + l / 8]);
           }
           sum += static_cast<float>(dot) * dsc * da[l] + u[l] * vmin;
         }
@@ -391,6 +399,54 @@ KQ_TARGET void q6_avx512(const Weights& w, const Acts& a, int64_t n0, int64_t n1
   }
 }
 
+// 256-bit pieces shared by the AVX2 kernel and the AVX-512 kernel's last single block.
+KQ_AVX2 inline __m256i load256(const void* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+// The eight code registers of one block of a paired kind as 256-bit halves: ``reg`` is the
+// bytes of one register in memory (64 in a pair, whose block b + 1 is at byte offset ``o`` 32;
+// 32 for a row's last single block).
+template <int K>
+KQ_AVX2 inline void codes8_256(const uint8_t* p, int reg, int o, __m256i* c) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x30);
+  if (K == kL8) {
+    for (int i = 0; i < 8; ++i) c[i] = load256(p + reg * i + o);
+  } else {
+    for (int j = 0; j < 4; ++j) {
+      const __m256i v = load256(p + reg * j + o);
+      c[2 * j] = _mm256_and_si256(v, low4);
+      c[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    }
+  }
+  if (high_bits(K)) {
+    for (int h = 0; h < 2; ++h) {
+      const __m256i hb = load256(p + 4 * reg + reg * h + o);
+      __m256i* q = c + 4 * h;
+      q[0] = _mm256_or_si256(q[0], _mm256_and_si256(_mm256_slli_epi16(hb, 4), two));
+      q[1] = _mm256_or_si256(q[1], _mm256_and_si256(_mm256_slli_epi16(hb, 2), two));
+      q[2] = _mm256_or_si256(q[2], _mm256_and_si256(hb, two));
+      q[3] = _mm256_or_si256(q[3], _mm256_and_si256(_mm256_srli_epi16(hb, 2), two));
+    }
+  }
+}
+
+// One block's lane scales and min factors (8 lanes): ``meta`` at its d (or sc) and ``mo``
+// bytes further its m; ``blk`` the block, for the K-quants' d and dmin.
+template <int K>
+KQ_AVX2 inline void scales8_256(const Weights& w, const uint8_t* meta, int mo, int64_t blk,
+                                __m256* dsc, __m256* vmin) {
+  if (lane_scaled(K)) {
+    *dsc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta)));
+    *vmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + mo)));
+  } else {
+    const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta)));
+    const __m256i m = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta + mo)));
+    *dsc = _mm256_mul_ps(_mm256_cvtepi32_ps(sc), _mm256_set1_ps(_cvtsh_ss(w.d[blk])));
+    *vmin = _mm256_mul_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(-_cvtsh_ss(w.dmin[blk])));
+  }
+}
+
 // R rows (1..8) against output channels [n0, n1) of a paired kind: every pair of blocks is
 // unpacked once.
 template <int R, int K>
@@ -402,7 +458,7 @@ KQ_TARGET void pairs_avx512(const Weights& w, const Acts& a, int64_t n0, int64_t
   for (int64_t n = n0; n < n1; ++n) {
     __m512 facc[R];
     for (int r = 0; r < R; ++r) facc[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b += 2) {
+    for (int64_t b = 0; b + 1 < nb; b += 2) {
       const int64_t blk = n * nb + b;
       prefetch(w.codes, (blk + PF_BLOCKS) * stride, 2 * stride);
       const uint8_t* p = w.codes + blk * stride;
@@ -444,9 +500,9 @@ KQ_TARGET void pairs_avx512(const Weights& w, const Acts& a, int64_t n0, int64_t
         vmin = _mm512_mul_ps(_mm512_cvtepi32_ps(m), mv);
       }
       // registers outer, rows inner: the rows' dot products are independent, so a pass's rows
-      // fill the pipes while each one's chain waits; one or two rows split theirs in two
+      // fill the pipes while each one's chain waits; up to four rows split theirs in two
       // (integer sums: the same bits either way)
-      constexpr int NA = R <= 2 ? 2 : 1;
+      constexpr int NA = R <= 4 ? 2 : 1;
       __m512i acc[R * NA];
       for (int j = 0; j < R * NA; ++j) acc[j] = _mm512_setzero_si512();
 #pragma GCC unroll 8
@@ -464,11 +520,39 @@ KQ_TARGET void pairs_avx512(const Weights& w, const Acts& a, int64_t n0, int64_t
         facc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(a.u + r * ka + b * 8), vmin, facc[r]);
       }
     }
+    if (nb % 2) {
+      // the row's last block alone, in 32-byte registers: its 8 lanes go into lanes 0-7,
+      // with the instructions of the AVX2 kernel's first half (the same bits)
+      const int64_t b = nb - 1, blk = n * nb + b;
+      __m256i c[8];
+      codes8_256<K>(w.codes + blk * stride, 32, 0, c);
+      __m256 dsc, vmin;
+      scales8_256<K>(w, w.meta + blk * meta_stride(K), meta_stride(K) / 2, blk, &dsc, &vmin);
+      // 256-bit dot products issue two a cycle: fewer rows split their chains further
+      constexpr int NT = R <= 2 ? 4 : R <= 4 ? 2 : 1;
+      __m256i acc[R * NT];
+      for (int j = 0; j < R * NT; ++j) acc[j] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i)
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const int j = r * NT + i % NT;
+          acc[j] = _mm256_dpbusd_epi32(acc[j], c[i], load256(a.q + r * a.k + b * QK + 32 * i));
+        }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        __m256i sum = acc[r * NT];
+        for (int j = 1; j < NT; ++j) sum = _mm256_add_epi32(sum, acc[r * NT + j]);
+        const __m512 t = _mm512_castps256_ps512(_mm256_mul_ps(_mm256_cvtepi32_ps(sum), dsc));
+        const __m512 da = _mm512_castps256_ps512(_mm256_loadu_ps(a.d + r * ka + b * 8));
+        const __m512 u = _mm512_castps256_ps512(_mm256_loadu_ps(a.u + r * ka + b * 8));
+        facc[r] = _mm512_mask3_fmadd_ps(t, da, facc[r], 0x00FF);
+        facc[r] = _mm512_mask3_fmadd_ps(u, _mm512_castps256_ps512(vmin), facc[r], 0x00FF);
+      }
+    }
     for (int r = 0; r < R; ++r) y[r * n_out + n] = hsum512(facc[r]);
   }
 }
-
-#define KQ_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 // AVX2 (no AVX-512, no VNNI): the same rounding as the other paths (cvtps rounds to nearest
 // even, as nearbyint does), so every path gives the same int8 codes.
@@ -514,10 +598,6 @@ KQ_AVX2 inline float hsum_halves(__m256 h0, __m256 h1) {
   const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
   const __m128 s1 = _mm_add_ss(s2, _mm_movehdup_ps(s2));
   return _mm_cvtss_f32(s1);
-}
-
-KQ_AVX2 inline __m256i load256(const void* p) {
-  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
 
 template <int R>
@@ -569,78 +649,58 @@ KQ_AVX2 void q6_avx2(const Weights& w, const Acts& a, int64_t n0, int64_t n1, fl
   }
 }
 
+// One row's exact integer dot products, per lane, with one block's eight code registers:
+// ``qa`` at the row's codes of that block (half), ``reg`` bytes apart.
+template <int K>
+KQ_AVX2 inline __m256i dot8_256(const __m256i* c, const int8_t* qa, int reg) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if (K == kL8) {
+    const __m256i seven = _mm256_set1_epi8(0x7F), one = _mm256_set1_epi8(1);
+    __m256i hi = _mm256_setzero_si256(), lo = _mm256_setzero_si256();
+    for (int i = 0; i < 8; ++i) {
+      const __m256i ai = load256(qa + reg * i);
+      const __m256i h7 = _mm256_and_si256(_mm256_srli_epi16(c[i], 1), seven);
+      const __m256i l1 = _mm256_and_si256(c[i], one);
+      hi = _mm256_add_epi32(hi, _mm256_madd_epi16(_mm256_maddubs_epi16(h7, ai), ones));
+      lo = _mm256_add_epi32(lo, _mm256_madd_epi16(_mm256_maddubs_epi16(l1, ai), ones));
+    }
+    return _mm256_add_epi32(_mm256_slli_epi32(hi, 1), lo);
+  }
+  __m256i pr[8];
+  for (int i = 0; i < 8; ++i) pr[i] = _mm256_maddubs_epi16(c[i], load256(qa + reg * i));
+  const __m256i s0 = _mm256_add_epi16(_mm256_add_epi16(pr[0], pr[1]), _mm256_add_epi16(pr[2], pr[3]));
+  const __m256i s1 = _mm256_add_epi16(_mm256_add_epi16(pr[4], pr[5]), _mm256_add_epi16(pr[6], pr[7]));
+  if (high_bits(K)) return _mm256_add_epi32(_mm256_madd_epi16(s0, ones), _mm256_madd_epi16(s1, ones));
+  return _mm256_madd_epi16(_mm256_add_epi16(s0, s1), ones);
+}
+
 template <int R, int K>
 KQ_AVX2 void pairs_avx2(const Weights& w, const Acts& a, int64_t n0, int64_t n1, float* y,
                         int64_t n_out) {
   constexpr int64_t stride = code_stride(K);
   const int64_t nb = w.nb, ka = a.k / QA;
-  const __m256i low4 = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x30);
-  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t n = n0; n < n1; ++n) {
     __m256 facc[R][2];
     for (int r = 0; r < R; ++r) facc[r][0] = facc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b += 2) {
       const int64_t blk = n * nb + b;
+      const bool single = b + 1 == nb;  // the row's last block alone: 32-byte registers
+      const int reg = single ? 32 : 64;
       prefetch(w.codes, (blk + PF_BLOCKS) * stride, 2 * stride);
       const uint8_t* p = w.codes + blk * stride;
       const uint8_t* meta = w.meta + blk * meta_stride(K);
-      for (int half = 0; half < 2; ++half) {  // block b + half
+      for (int half = 0; half < (single ? 1 : 2); ++half) {  // block b + half: lanes 8 half..
         const int o = 32 * half;
         __m256i c[8];
-        if (K == kL8) {
-          for (int i = 0; i < 8; ++i) c[i] = load256(p + 64 * i + o);
-        } else {
-          for (int j = 0; j < 4; ++j) {
-            const __m256i v = load256(p + 64 * j + o);
-            c[2 * j] = _mm256_and_si256(v, low4);
-            c[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-          }
-        }
-        if (high_bits(K)) {
-          for (int h = 0; h < 2; ++h) {
-            const __m256i hb = load256(p + 256 + 64 * h + o);
-            __m256i* q = c + 4 * h;
-            q[0] = _mm256_or_si256(q[0], _mm256_and_si256(_mm256_slli_epi16(hb, 4), two));
-            q[1] = _mm256_or_si256(q[1], _mm256_and_si256(_mm256_slli_epi16(hb, 2), two));
-            q[2] = _mm256_or_si256(q[2], _mm256_and_si256(hb, two));
-            q[3] = _mm256_or_si256(q[3], _mm256_and_si256(_mm256_srli_epi16(hb, 2), two));
-          }
-        }
+        codes8_256<K>(p, reg, o, c);
         __m256 dsc, vmin;
-        if (lane_scaled(K)) {
-          dsc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 16 * half)));
-          vmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 32 + 16 * half)));
-        } else {
-          const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta + 8 * half)));
-          const __m256i m = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta + 16 + 8 * half)));
-          dsc = _mm256_mul_ps(_mm256_cvtepi32_ps(sc), _mm256_set1_ps(_cvtsh_ss(w.d[blk + half])));
-          vmin = _mm256_mul_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(-_cvtsh_ss(w.dmin[blk + half])));
-        }
+        if (single)
+          scales8_256<K>(w, meta, meta_stride(K) / 2, blk, &dsc, &vmin);
+        else  // a pair's meta: both blocks' first field, then both blocks' second
+          scales8_256<K>(w, meta + meta_stride(K) / 2 * half, meta_stride(K), blk + half, &dsc,
+                         &vmin);
         for (int r = 0; r < R; ++r) {
-          const int8_t* qa = a.q + r * a.k + b * QK + o;
-          __m256i acc;
-          if (K == kL8) {
-            const __m256i seven = _mm256_set1_epi8(0x7F), one = _mm256_set1_epi8(1);
-            __m256i hi = _mm256_setzero_si256(), lo = _mm256_setzero_si256();
-            for (int i = 0; i < 8; ++i) {
-              const __m256i ai = load256(qa + 64 * i);
-              const __m256i h7 = _mm256_and_si256(_mm256_srli_epi16(c[i], 1), seven);
-              const __m256i l1 = _mm256_and_si256(c[i], one);
-              hi = _mm256_add_epi32(hi, _mm256_madd_epi16(_mm256_maddubs_epi16(h7, ai), ones));
-              lo = _mm256_add_epi32(lo, _mm256_madd_epi16(_mm256_maddubs_epi16(l1, ai), ones));
-            }
-            acc = _mm256_add_epi32(_mm256_slli_epi32(hi, 1), lo);
-          } else {
-            __m256i pr[8];
-            for (int i = 0; i < 8; ++i) pr[i] = _mm256_maddubs_epi16(c[i], load256(qa + 64 * i));
-            const __m256i s0 = _mm256_add_epi16(_mm256_add_epi16(pr[0], pr[1]), _mm256_add_epi16(pr[2], pr[3]));
-            const __m256i s1 = _mm256_add_epi16(_mm256_add_epi16(pr[4], pr[5]), _mm256_add_epi16(pr[6], pr[7]));
-            if (high_bits(K)) {
-              acc = _mm256_add_epi32(_mm256_madd_epi16(s0, ones), _mm256_madd_epi16(s1, ones));
-            } else {
-              acc = _mm256_madd_epi16(_mm256_add_epi16(s0, s1), ones);
-            }
-          }
+          const __m256i acc = dot8_256<K>(c, a.q + r * a.k + b * QK + o, reg);
           const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(acc), dsc);
           const int64_t g = r * ka + b * 8 + 8 * half;
           facc[r][half] = _mm256_fmadd_ps(t, _mm256_loadu_ps(a.d + g), facc[r][half]);
@@ -732,15 +792,13 @@ torch::Tensor kquant_mm_on(torch::Tensor x, torch::Tensor codes, torch::Tensor m
   x = x.contiguous();
   const int K = static_cast<int>(kind);
   const bool pair = paired(K);
-  const int64_t unit = pair ? 2 * QK : QK;  // the weights the kernel takes at a time
-  TORCH_CHECK(codes.dim() == 2 && codes.size(1) % (code_stride(K) * (unit / QK)) == 0,
-              "codes must be [N, blocks * ", code_stride(K), "] bytes",
-              pair ? ", an even number of blocks" : "");
-  // the weights' width, a multiple of the unit; x may be narrower by less than a unit (the rest
-  // are zero weights, met by zero inputs), by whole blocks for the K-quants
+  TORCH_CHECK(codes.dim() == 2 && codes.size(1) % code_stride(K) == 0,
+              "codes must be [N, blocks * ", code_stride(K), "] bytes");
+  // the weights' width, a multiple of 256; x may be narrower by less than a block (the rest are
+  // zero weights, met by zero inputs)
   const int64_t nb = codes.size(1) / code_stride(K);
   const int64_t rows = x.size(0), k_in = x.size(1), k = nb * QK;
-  TORCH_CHECK(k_in <= k && k_in > k - unit && (k_in % QK == 0 || lane_scaled(K)),
+  TORCH_CHECK(k_in <= k && k_in > k - QK && (k_in == k || lane_scaled(K)),
               "weights and input disagree on in_features (", k_in, " inputs, weights ", k, " wide)");
   const int64_t n_out = codes.size(0);
   TORCH_CHECK(meta.numel() == n_out * nb * meta_stride(K), "meta has the wrong size");
