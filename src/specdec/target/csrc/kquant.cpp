@@ -96,10 +96,13 @@ KQ_TARGET void quantize_block_avx512(const float* xb, int8_t* qb, float* d, int1
   *d = 1.f / iscale;
 }
 
-// Natural order -> Q6_K's lane layout (register c, byte 4 l + i <- weight 16 l + 4 c + i).
-inline void to_lanes(const int8_t* natural, int8_t* lanes) {
-  for (int l = 0; l < 16; ++l)
-    for (int c = 0; c < 4; ++c) std::memcpy(lanes + 64 * c + 4 * l, natural + 16 * l + 4 * c, 4);
+// Natural order -> a lane layout: ``nl`` lanes of ``per`` weights, register c (of per / 4,
+// 4 * nl bytes each), byte 4 l + i <- weight per * l + 4 c + i. Q6_K: 16 lanes of 16; the
+// paired kinds: 16 lanes of 32 for a pair of blocks, 8 for a row's last block alone.
+inline void to_lanes(const int8_t* natural, int8_t* lanes, int nl, int per) {
+  for (int l = 0; l < nl; ++l)
+    for (int c = 0; c < per / 4; ++c)
+      std::memcpy(lanes + 4 * nl * c + 4 * l, natural + per * l + 4 * c, 4);
 }
 
 bool have_avx512();
@@ -109,48 +112,34 @@ void quantize_block_avx2(const float* xb, int8_t* qb, float* d, int16_t* sb);
 // The kernels, fastest first; each machine uses the best it has, unless a test asks.
 enum Path : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 
+// One 32-input block on a path (each gives the same codes, scale and sums).
+inline void quantize_block(int path, const float* xb, int8_t* qb, float* d, int16_t* sb) {
+  if (path == kAvx512) quantize_block_avx512(xb, qb, d, sb);
+  else if (path == kAvx2) quantize_block_avx2(xb, qb, d, sb);
+  else quantize_block_scalar(xb, qb, d, sb);
+}
+
 // The activations of the Q6_K kernels, per row: the codes in the lane layout, each 16-input
 // group's activation scale ``d`` (its 32-input block's, stored twice so the kernel loads one
 // lane's worth with one instruction) and ``u`` = d * (sum of its 16 codes), the factor of the
 // "min" term, so the kernel pays one multiply-add per row and block for it.
-// ``x`` rows are ``k_in`` wide; inputs from ``k_in`` up to the padded width ``k`` (a multiple of
-// 256) are zeros, as the zero weight blocks they meet.
-void quantize_rows(const float* x, int64_t rows, int64_t k_in, int64_t k, int8_t* q, float* d,
-                   int16_t* bs, float* u, int path) {
+// Q6_K rows are whole blocks (``x`` is ``k`` wide: the kernel refuses anything else).
+void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* q, float* d, int16_t* bs,
+                   float* u, int path) {
   const int64_t nb = k / QK;
   alignas(64) int8_t natural[QK];
-  alignas(64) float tail[QK];
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t b = 0; b < nb; ++b) {
-      const int64_t off = r * k + b * QK;
       const int64_t g = r * (k / 16) + b * 16;
-      const float* xb = x + r * k_in + b * QK;
-      if ((b + 1) * QK > k_in) {  // the last, partly padded block
-        const int64_t have = std::max<int64_t>(0, k_in - b * QK);
-        std::fill(tail, tail + QK, 0.f);
-        std::memcpy(tail, xb, sizeof(float) * have);
-        xb = tail;
-      }
+      const float* xb = x + r * k + b * QK;
       for (int j = 0; j < QK / QA; ++j) {
         float dj = 0.f;
-        const float* xj = xb + j * QA;
-        int16_t* sj = bs + g + j * (QA / 16);
-        if (path == kAvx512) quantize_block_avx512(xj, natural + j * QA, &dj, sj);
-        else if (path == kAvx2) quantize_block_avx2(xj, natural + j * QA, &dj, sj);
-        else quantize_block_scalar(xj, natural + j * QA, &dj, sj);
+        quantize_block(path, xb + j * QA, natural + j * QA, &dj, bs + g + j * (QA / 16));
         for (int h = 0; h < QA / 16; ++h) d[g + j * (QA / 16) + h] = dj;
       }
-      to_lanes(natural, q + off);
+      to_lanes(natural, q + r * k + b * QK, 16, 16);
       for (int h = 0; h < 16; ++h) u[g + h] = d[g + h] * static_cast<float>(bs[g + h]);
     }
-}
-
-// Natural order -> the paired layout (register c of 8, byte 4 l + i <- weight 32 l + 4 c + i).
-// ``nl`` lanes: 16 for a pair of blocks, 8 for a row's last block when it has an odd number
-// (registers of 4 * nl bytes).
-inline void to_pair_lanes(const int8_t* natural, int8_t* lanes, int nl) {
-  for (int l = 0; l < nl; ++l)
-    for (int c = 0; c < 8; ++c) std::memcpy(lanes + 4 * nl * c + 4 * l, natural + 32 * l + 4 * c, 4);
 }
 
 // The activations of the paired kernels: per row and 512 inputs the codes in the paired
@@ -177,13 +166,11 @@ void quantize_rows_paired(const float* x, int64_t rows, int64_t k_in, int64_t k,
       }
       for (int j = 0; j < width / QA; ++j) {
         float dj = 0.f;
-        if (path == kAvx512) quantize_block_avx512(xb + j * QA, natural + j * QA, &dj, sb);
-        else if (path == kAvx2) quantize_block_avx2(xb + j * QA, natural + j * QA, &dj, sb);
-        else quantize_block_scalar(xb + j * QA, natural + j * QA, &dj, sb);
+        quantize_block(path, xb + j * QA, natural + j * QA, &dj, sb);
         d[g + j] = dj;
         u[g + j] = dj * static_cast<float>(sb[0] + sb[1]);
       }
-      to_pair_lanes(natural, q + r * k + p * QP, static_cast<int>(width / QA));
+      to_lanes(natural, q + r * k + p * QP, static_cast<int>(width / QA), 32);
     }
 }
 
@@ -825,7 +812,7 @@ torch::Tensor kquant_mm_on(torch::Tensor x, torch::Tensor codes, torch::Tensor m
     quantize_rows_paired(x.data_ptr<float>(), rows, k_in, k, q.data_ptr<int8_t>(),
                          da.data_ptr<float>(), u.data_ptr<float>(), path);
   else
-    quantize_rows(x.data_ptr<float>(), rows, k_in, k, q.data_ptr<int8_t>(), da.data_ptr<float>(),
+    quantize_rows(x.data_ptr<float>(), rows, k, q.data_ptr<int8_t>(), da.data_ptr<float>(),
                   bs.data_ptr<int16_t>(), u.data_ptr<float>(), path);
   auto y = torch::empty({rows, n_out}, torch::kFloat32);
   Weights w{codes.data_ptr<uint8_t>(), meta.data_ptr<uint8_t>(), dptr, mptr, nb};
